@@ -1,0 +1,195 @@
+"""Config schema: one dataclass per Hydra config group, registered in the ConfigStore.
+
+This module is the single source of truth for every knob. Closed choices are str Enums so that
+Hydra rejects unknown values at composition time with the list of allowed ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class Source(str, Enum):
+    hf = "hf"          # huggingface_hub snapshot, revision pinned to a commit
+    local = "local"    # a folder in HF layout
+    gguf = "gguf"      # a GGUF file, or one shipped inside an installed Python package
+    random = "random"  # a tiny randomly initialised model built from a config (tests)
+
+
+class Arch(str, Enum):
+    llama = "llama"
+    gemma3 = "gemma3"
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+class LinearScheme(str, Enum):
+    none = "none"
+    w8 = "8w"
+    w4 = "4w"
+    da8w4 = "8da4w"
+    nvfp4 = "nvfp4"
+
+
+class EmbeddingScheme(str, Enum):
+    none = "none"
+    w8 = "8w"
+    w4 = "4w"
+    nvfp4 = "nvfp4"
+
+
+class CacheMode(str, Enum):
+    static = "static"
+    custom = "custom"
+    offgraph = "offgraph"
+
+
+class LogitsMode(str, Enum):
+    full = "full"
+    last = "last"
+
+
+class BackendName(str, Enum):
+    xnnpack = "xnnpack"
+    portable = "portable"
+    mlx = "mlx"
+
+
+@dataclass
+class RandomModelConfig:
+    """Geometry of a tiny random model (source=random)."""
+    arch: Arch = Arch.llama
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 512
+    sliding_window: Optional[int] = None      # gemma3 only
+    sliding_window_pattern: int = 6           # gemma3: every Nth layer is full attention
+    tie_word_embeddings: bool = True
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    source: Source = Source.gguf
+    # hf
+    repo_id: Optional[str] = None
+    revision: Optional[str] = None            # a commit sha; a branch name is resolved and recorded
+    allow_patterns: List[str] = field(default_factory=lambda: [
+        "*.json", "*.safetensors", "tokenizer.model", "*.txt"])
+    trust_remote_code: bool = False
+    # local folder / gguf file
+    path: Optional[str] = None
+    # gguf shipped by an installed Python distribution
+    package: Optional[str] = None
+    gguf_pattern: str = "*.gguf"
+    # random
+    random: RandomModelConfig = field(default_factory=RandomModelConfig)
+
+
+@dataclass
+class QuantizeConfig:
+    linear: str = LinearScheme.none.value        # LinearScheme (names like 8w are not identifiers)
+    linear_group_size: int = 32               # 0 = per output channel
+    embedding: str = EmbeddingScheme.none.value  # EmbeddingScheme
+    embedding_group_size: int = 32            # 0 = per row
+    tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
+
+
+@dataclass
+class CacheConfig:
+    mode: CacheMode = CacheMode.static
+    custom_sdpa: bool = False
+    custom_kv_cache: bool = False
+
+
+@dataclass
+class ExportConfig:
+    max_context_len: int = 512
+    prefill_chunk: int = 128                  # max_seq_len: the traced T is in [1, chunk]
+    dtype: DType = DType.fp32
+    logits_mode: LogitsMode = LogitsMode.last
+    strict: bool = True
+
+
+@dataclass
+class BackendConfig:
+    name: BackendName = BackendName.xnnpack
+    quant_fusion: bool = True                 # do_quant_fusion_and_const_prop
+
+
+@dataclass
+class Thresholds:
+    """A null threshold is reported but not enforced."""
+    min_greedy_match: Optional[int] = None    # leading greedy tokens that must agree; -1 = all
+    max_logit_err: Optional[float] = None
+    min_top1: Optional[float] = None
+    max_kld: Optional[float] = None
+
+
+@dataclass
+class VerifyConfig:
+    enabled: bool = True
+    prompts: List[str] = field(default_factory=lambda: [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+    ])
+    chat: bool = True                         # apply the tokenizer's chat template when it has one
+    max_new_tokens: int = 16
+    # the .pte against the eager model with the same quantization: did export+lower preserve it?
+    same_quant: Thresholds = field(default_factory=lambda: Thresholds(
+        min_greedy_match=-1, max_logit_err=1e-3, min_top1=1.0, max_kld=1e-5))
+    # the .pte against the unquantized eager model: what did quantization cost?
+    vs_float: Thresholds = field(default_factory=Thresholds)
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "outputs"               # must stay inside <project>/outputs
+    progress: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    model: ModelConfig = MISSING
+    quantize: QuantizeConfig = MISSING
+    cache: CacheConfig = MISSING
+    export: ExportConfig = MISSING
+    backend: BackendConfig = MISSING
+    verify: VerifyConfig = MISSING
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "quantize": QuantizeConfig,
+    "cache": CacheConfig,
+    "export": ExportConfig,
+    "backend": BackendConfig,
+    "verify": VerifyConfig,
+}
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="pipeline_schema", node=PipelineConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        # group files start with `defaults: [/schema/<group>@_here_]`
+        cs.store(group="schema", name=group, node=schema)
+
+
+def v(x):
+    """The plain value of a config field (Enum members become their string)."""
+    return x.value if isinstance(x, Enum) else x

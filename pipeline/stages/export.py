@@ -1,0 +1,39 @@
+"""export: torch.export of the wrapped (quantized) module, the token dimension bounded by the chunk.
+
+    python -m pipeline recipe=tiny_llama_xnnpack
+
+Writes program.pt2 (torch.export.save).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pipeline.progress import spinner
+
+NAME, VERSION = "export", 1
+AFTER = ("quantize",)
+CONFIG_KEYS = ("export",)
+
+log = logging.getLogger(__name__)
+
+
+def export_program(module, chunk: int, strict: bool = True):
+    t = min(2, chunk)
+    example = (torch.zeros((1, t), dtype=torch.long), torch.arange(t, dtype=torch.long))
+    dynamic = None
+    if chunk > 1:
+        T = torch.export.Dim("T", min=1, max=chunk)
+        dynamic = ({1: T}, {0: T})
+    with torch.no_grad():
+        return torch.export.export(module, example, dynamic_shapes=dynamic, strict=strict)
+
+
+def run(ctx) -> dict:
+    import torchao  # noqa: F401  (registers the quantized ops the program refers to)
+    module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+    with spinner("torch.export", ctx.progress):
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
+    torch.export.save(ep, ctx.out / "program.pt2")
+    return {"graph_nodes": len(ep.graph.nodes)}

@@ -1,0 +1,104 @@
+"""lower: edge dialect, backend partitioning and the .pte, with the constant methods a runner reads.
+
+    python -m pipeline recipe=tiny_llama_xnnpack backend=portable
+
+Backends live in BACKENDS (xnnpack, portable; mlx slots in). Writes model.pte and lower.json
+(delegated vs non-delegated op counts, by op).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from pipeline import modeling
+from pipeline.config import v
+from pipeline.progress import spinner
+
+NAME, VERSION = "lower", 1
+AFTER = ("download", "export")
+CONFIG_KEYS = ("backend",)
+
+log = logging.getLogger(__name__)
+
+
+def _xnnpack():
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    return [XnnpackPartitioner()]
+
+
+BACKENDS = {"xnnpack": _xnnpack, "portable": lambda: []}
+
+
+def special_ids(model_dir) -> tuple[int, list[int]]:
+    """BOS id and the EOS id set, from the model's config, generation config and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos: list[int] = []
+    sources = [cfg.eos_token_id, tok.eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    for e in sources:
+        for i in (e if isinstance(e, (list, tuple)) else [e]):
+            if i is not None and i not in eos:
+                eos.append(int(i))
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id
+    return (int(bos) if bos is not None else -1), eos
+
+
+def constant_methods(ctx) -> dict:
+    e, g = ctx.cfg.export, ctx.geometry
+    bos, eos = special_ids(ctx.inputs["download"] / "model")
+    return {
+        "get_max_context_len": int(e.max_context_len),
+        "get_max_seq_len": int(e.prefill_chunk),
+        "get_vocab_size": int(g.vocab_size),
+        "get_activation_dtype": modeling.SCALAR_TYPE_CODES[v(e.dtype)],
+        "get_logits_to_keep_mode": modeling.LOGITS_MODE_CODES[v(e.logits_mode)],
+        "get_bos_id": bos,
+        "get_eos_ids": eos,
+        "get_recipe_hash": ctx.build_hash,
+    }
+
+
+def delegation_report(edge) -> dict:
+    from executorch.devtools.backend_debug import get_delegation_info
+    info = get_delegation_info(edge.exported_program().graph_module)
+    return {
+        "delegated_subgraphs": info.num_delegated_subgraphs,
+        "delegated_nodes": info.num_delegated_nodes,
+        "non_delegated_nodes": info.num_non_delegated_nodes,
+        "by_op": {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
+                  for op, b in sorted(info.delegation_by_operator.items())},
+    }
+
+
+def lower(ep, backend: str, methods: dict, quant_fusion: bool):
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=BACKENDS[backend](), constant_methods=methods,
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
+    report = delegation_report(edge)
+    et = edge.to_executorch(ExecutorchBackendConfig(
+        run_reinplace_pass=True, do_quant_fusion_and_const_prop=quant_fusion))
+    return et, report
+
+
+def run(ctx) -> dict:
+    import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
+    ep = torch.export.load(ctx.inputs["export"] / "program.pt2")
+    methods = constant_methods(ctx)
+    backend = v(ctx.cfg.backend.name)
+    with spinner(f"lower to {backend}", ctx.progress):
+        et, report = lower(ep, backend, methods, ctx.cfg.backend.quant_fusion)
+    pte = ctx.out / "model.pte"
+    with open(pte, "wb") as f:
+        et.write_to_file(f)
+    report["constant_methods"] = methods
+    (ctx.out / "lower.json").write_text(json.dumps(report, indent=2))
+    return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
+            "non_delegated_nodes": report["non_delegated_nodes"]}

@@ -1,0 +1,155 @@
+"""verify: run the .pte in the ExecuTorch Python runtime and measure it against eager, on fixed prompts.
+
+    python -m pipeline recipe=smollm2_xnnpack_8da4w verify.max_new_tokens=32
+
+Two references: the eager module with the same quantization (did export and lowering preserve the
+program? tight thresholds) and the unquantized eager module (what did quantization cost? looser).
+Figures per prompt: greedy token match over N new tokens, and teacher-forced over the reference's
+tokens (so one early drift does not hide everything after it): max abs logit error, top-1 agreement,
+mean KL divergence. Thresholds come from verify.same_quant / verify.vs_float.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from pipeline import modeling
+from pipeline.config import v
+from pipeline.progress import bar, spinner
+from pipeline.runtime import PteModule
+
+NAME, VERSION = "verify", 1
+AFTER = ("download", "wrap", "quantize", "lower")
+CONFIG_KEYS = ("verify",)
+
+log = logging.getLogger(__name__)
+
+
+class VerifyFailed(RuntimeError):
+    pass
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tokenizer(prompt)["input_ids"]
+
+
+@torch.no_grad()
+def greedy(module, ids: list[int], n: int, chunk: int, eos: set[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decode n tokens (stops early at EOS); returns the tokens and each step's logits."""
+    logits = modeling.run_sequence(module, ids, chunk)
+    out, steps = [], []
+    for i in range(n):
+        steps.append(logits)
+        tok = int(logits.argmax())
+        out.append(tok)
+        if tok in eos or i == n - 1:
+            break
+        logits = modeling.run_sequence(module, [tok], 1, start=len(ids) + i)
+    return out, steps
+
+
+@torch.no_grad()
+def teacher_forced(module, ids: list[int], targets: list[int], chunk: int) -> list[torch.Tensor]:
+    """Logits predicting each target, feeding the targets themselves (not the module's own choices)."""
+    steps = [modeling.run_sequence(module, ids, chunk)]
+    for i, tok in enumerate(targets[:-1]):
+        steps.append(modeling.run_sequence(module, [tok], 1, start=len(ids) + i))
+    return steps
+
+
+def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
+    r, g = torch.stack(ref).float(), torch.stack(got).float()
+    kld = F.kl_div(F.log_softmax(g, -1), F.log_softmax(r, -1), log_target=True, reduction="none").sum(-1)
+    return {"max_logit_err": (r - g).abs().max().item(),
+            "top1": (r.argmax(-1) == g.argmax(-1)).float().mean().item(),
+            "kld": max(0.0, kld.mean().item())}  # rounding can make ~0 negative
+
+
+def leading_match(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
+    problems = []
+    need = th.min_greedy_match
+    if need is not None:
+        need = n_ref if need < 0 else min(need, n_ref)
+        if figures["greedy_match"] < need:
+            problems.append(f"{label}: greedy match {figures['greedy_match']}/{n_ref} < {need}")
+    if th.max_logit_err is not None and figures["max_logit_err"] > th.max_logit_err:
+        problems.append(f"{label}: max logit error {figures['max_logit_err']:.4g} > {th.max_logit_err}")
+    if th.min_top1 is not None and figures["top1"] < th.min_top1:
+        problems.append(f"{label}: top-1 agreement {figures['top1']:.3f} < {th.min_top1}")
+    if th.max_kld is not None and figures["kld"] > th.max_kld:
+        problems.append(f"{label}: mean KLD {figures['kld']:.4g} > {th.max_kld}")
+    return problems
+
+
+def run(ctx) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.stages.lower import special_ids
+
+    vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
+    model_dir = ctx.inputs["download"] / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    _, eos = special_ids(model_dir)
+    eos = set(eos)
+    with spinner("load eager references and the program", ctx.progress):
+        eager_q = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+        eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
+        pte = PteModule(ctx.inputs["lower"] / "model.pte")
+    prompts, problems = [], []
+    for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
+        ids = prompt_ids(tok, text, vc.chat)
+        room = ctx.cfg.export.max_context_len - len(ids)
+        n = min(vc.max_new_tokens, room)
+        if n < 1:
+            raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
+        ref, ref_logits = greedy(eager_q, ids, n, chunk, eos)
+        got, _ = greedy(pte, ids, n, chunk, eos)
+        pte_tf = teacher_forced(pte, ids, ref, chunk)
+        float_tf = teacher_forced(eager_f, ids, ref, chunk)
+        same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, pte_tf)}
+        flt_tokens, _ = greedy(eager_f, ids, n, chunk, eos)
+        vs_float = {"greedy_match": leading_match(flt_tokens, got), **compare(float_tf, pte_tf)}
+        entry = {"prompt": text, "prompt_tokens": len(ids), "reference": ref, "pte": got,
+                 "float_reference": flt_tokens, "reference_text": tok.decode(ref), "pte_text": tok.decode(got),
+                 "same_quant": same, "vs_float": vs_float}
+        found = check(same, vc.same_quant, len(ref), "vs same-quant eager") + \
+            check(vs_float, vc.vs_float, len(flt_tokens), "vs float eager")
+        if found:
+            problems.append({"prompt": text, "problems": found, "reference_text": entry["reference_text"],
+                             "pte_text": entry["pte_text"]})
+        prompts.append(entry)
+    summary = {
+        key: {
+            "greedy_match": sum(p[key]["greedy_match"] for p in prompts),
+            "greedy_total": sum(len(p["reference" if key == "same_quant" else "float_reference"]) for p in prompts),
+            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
+            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
+            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
+        } for key in ("same_quant", "vs_float")
+    }
+    report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
+    (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
+    ctx.info["verify_report"] = report
+    if problems:
+        lines = []
+        for p in problems:
+            lines += [f"prompt {p['prompt']!r}:"] + [f"    {x}" for x in p["problems"]]
+            lines += [f"    eager: {p['reference_text']!r}", f"    .pte:  {p['pte_text']!r}"]
+        raise VerifyFailed("verify gate failed\n" + "\n".join(lines))
+    return summary

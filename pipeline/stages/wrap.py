@@ -1,0 +1,69 @@
+"""wrap: the exportable runner-layout module for the cache mode, checked against HF's uncached forward.
+
+    python -m pipeline recipe=tiny_gemma3_xnnpack       # sliding-window layers, prompts past the window
+
+Writes module.pt (the wrapped eager module, pickled) and wrap.json (layout and the self-check figures).
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from pipeline import modeling
+from pipeline.config import v
+from pipeline.progress import spinner
+
+NAME, VERSION = "wrap", 1
+AFTER = ("download",)
+CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
+# the wrapper must reproduce HF's own forward this closely (fp32; half types get a looser bound)
+SELF_CHECK_TOL = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
+
+log = logging.getLogger(__name__)
+
+
+def run(ctx) -> dict:
+    e, g = ctx.cfg.export, ctx.geometry
+    model_dir = ctx.inputs["download"] / "model"
+    with spinner("load model", ctx.progress):
+        model = modeling.load_hf_model(model_dir, v(e.dtype))
+    mode = v(ctx.cfg.cache.mode)
+    logits_mode = v(e.logits_mode)
+    dtype = v(e.dtype)
+    module = modeling.wrap(model, mode, e.max_context_len, logits_mode)
+    with spinner("self-check against HF forward", ctx.progress):
+        check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
+    tol = SELF_CHECK_TOL[dtype]
+    if check["max_abs_err"] > tol:
+        raise RuntimeError(f"wrapped module disagrees with HF forward: max abs logit error "
+                           f"{check['max_abs_err']:.3g} > {tol} over {check['tokens']} tokens")
+    module.reset()
+    torch.save(module, ctx.out / "module.pt")
+    spec = {
+        "cache_mode": mode, "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
+        "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,
+        "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+        "vocab_size": g.vocab_size, "self_check": check,
+    }
+    (ctx.out / "wrap.json").write_text(json.dumps(spec, indent=2))
+    return {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"]}
+
+
+@torch.no_grad()
+def self_check(module, model, context: int, chunk: int, window, vocab: int) -> dict:
+    """Chunked prefill + decode through the wrapper vs one uncached HF forward over the same ids.
+
+    The sequence runs past the sliding window (when the context allows) so window masks are exercised.
+    """
+    n = min(context, (window or 0) + 2 * chunk + 4, 640)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+    full = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    prefill = n - 4
+    errs = [(modeling.run_sequence(module, ids[:prefill], chunk) - full[prefill - 1]).abs().max().item()]
+    for i in range(prefill, n):
+        step = modeling.run_sequence(module, [ids[i]], 1, start=i)
+        errs.append((step - full[i]).abs().max().item())
+    return {"tokens": n, "max_abs_err": max(errs)}

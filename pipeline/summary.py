@@ -1,0 +1,45 @@
+"""The one-screen summary at the end of a build; its last two lines are `pte:` and `manifest:`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _size(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _entry_bytes(path: str | None) -> int | None:
+    if not path:
+        return None
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def print_summary(m: dict) -> None:
+    print()
+    print(f"recipe {m['recipe']}  build {m['build_hash']}  status {m['status']}  {m['seconds']:.1f}s")
+    print(f"  {'stage':<9} {'cache':<5} {'seconds':>8} {'built in':>9} {'peak RSS':>10} {'size':>10}  key")
+    for s in m["stages"]:
+        built = s.get("built_seconds")
+        rss = s.get("peak_rss_mib")
+        print(f"  {s['name']:<9} {s.get('cache', '-'):<5} {s.get('seconds', 0):>8.1f} "
+              f"{(f'{built:.1f}' if built is not None else '-'):>9} "
+              f"{(f'{rss:.0f} MiB' if rss else '-'):>10} {_size(_entry_bytes(s.get('path'))):>10}  "
+              f"{s['key'][:12]}{'  FAILED' if s.get('status') == 'failed' else ''}")
+    lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
+    if lower:
+        mt = lower["metrics"]
+        print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}")
+    v = m.get("verify")
+    if v:
+        for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager")):
+            f = v[key]
+            print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
+                  f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
+    if m.get("pte"):
+        print(f"pte: {m['pte']}")
+    print(f"manifest: {m['run_manifest']}")
