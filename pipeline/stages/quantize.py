@@ -80,6 +80,9 @@ def quantize_module(module: nn.Module, q) -> dict:
     if retie:
         head.weight = embed.weight
         report["retied"] = True
+    for m in model.modules():
+        # torchao sets a per-instance extra_repr (a partial), which pickle cannot save
+        m.__dict__.pop("extra_repr", None)
     return report
 
 
