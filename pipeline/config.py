@@ -159,6 +159,7 @@ class VerifyConfig:
 class RunConfig:
     output_dir: str = "outputs"               # must stay inside <project>/outputs
     progress: bool = True
+    until: Optional[str] = None               # last stage to run (e.g. lower: build without verify)
 
 
 @dataclass

@@ -125,6 +125,8 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     from pipeline import validate
 
     geometry = validate.check(cfg)              # every config problem, before any work
+    if cfg.run.until:
+        stages = tuple(stages[:stages.index(cfg.run.until) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"

@@ -77,6 +77,10 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if vc.enabled and not list(vc.prompts):
         add("verify.prompts", [], "needs at least one prompt when verify.enabled=true")
 
+    from pipeline.stages import ORDER
+    if cfg.run.until is not None and cfg.run.until not in ORDER:
+        add("run.until", cfg.run.until, f"allowed: {list(ORDER)}")
+
     # paths
     if not is_inside_outputs(cfg.run.output_dir):
         add("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}")

