@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -12,6 +13,11 @@ from pipeline.paths import CONF_DIR, project_path
 from pipeline.recipes import register_recipes
 
 log = logging.getLogger(__name__)
+
+# known-harmless noise from the toolchain; everything else still shows
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=".*(side effects happened|Mutation on a buffer|is an Enum subclass).*")
 
 OmegaConf.register_new_resolver("project_path", lambda p: str(project_path(p)), replace=True)
 register_configs()
@@ -23,6 +29,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     from pipeline.errors import PipelineError
     from pipeline.session import build
 
+    # torchao warns at import about CUDA-only extensions this CPU build cannot load
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         build(cfg)
     except KeyboardInterrupt:

@@ -137,6 +137,7 @@ class Thresholds:
     max_logit_err: Optional[float] = None
     min_top1: Optional[float] = None
     max_kld: Optional[float] = None
+    max_kld_ratio: Optional[float] = None     # vs_float: KLD <= ratio x the eager quantized model's own KLD
 
 
 @dataclass

@@ -5,6 +5,7 @@ source of the modules it runs). Stage entries are published atomically; the run 
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.metadata as md
 import logging
@@ -233,11 +234,17 @@ def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, upstream, tools, r
                  seconds=round(time.perf_counter() - t0, 2))
         failed = rdir / f"failed-{mod.NAME}.json"
         write_json_atomic(failed, m)
-        store.discard(tmp)
+        # keep what the stage wrote (e.g. verify's report) next to the failure, never in the cache
+        if any(tmp.iterdir()):
+            os.rename(tmp, rdir / f"failed-{mod.NAME}")
+        else:
+            store.discard(tmp)
         detail = str(e) if isinstance(e, (PipelineError, RuntimeError)) else f"{type(e).__name__}: {e}"
         raise StageError(mod.NAME, detail, str(failed)) from None
     m.update(status="ok", metrics=metrics, info=ctx.info if mod.NAME != "verify" else {},
              seconds=round(time.perf_counter() - t0, 2), peak_rss_mib=rss.mib,
              outputs=describe_outputs(tmp))
     write_json_atomic(tmp / "manifest.json", m)
+    del ctx
+    gc.collect()  # stages load whole models; free them before the next one
     return store.publish(tmp, mod.NAME, key)

@@ -36,8 +36,11 @@ def print_summary(m: dict) -> None:
         print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}")
     v = m.get("verify")
     if v:
-        for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager")):
-            f = v[key]
+        for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager"),
+                           ("quant_cost", "(eager quant vs float)")):
+            f = v.get(key)
+            if not f:
+                continue
             print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
                   f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
     if m.get("pte"):

@@ -1,8 +1,17 @@
 // HF tokenizer.json reader: see tokenizer.h for what is supported.
 #include "tokenizer.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -71,15 +80,16 @@ void read_string(Cur& c, std::string& out) {
   ++c.p;
   out.clear();
   for (;;) {
-    const char* s = c.p;
-    while (c.p < c.e && *c.p != '"' && *c.p != '\\') ++c.p;
-    out.append(s, c.p - s);
-    if (c.p >= c.e) fail(c, "unterminated string");
-    if (*c.p == '"') {
-      ++c.p;
+    const char* q = static_cast<const char*>(std::memchr(c.p, '"', c.e - c.p));
+    if (!q) fail(c, "unterminated string");
+    const char* bs = static_cast<const char*>(std::memchr(c.p, '\\', q - c.p));
+    if (!bs) {  // fast path: no escape before the closing quote
+      out.append(c.p, q - c.p);
+      c.p = q + 1;
       return;
     }
-    ++c.p;  // backslash
+    out.append(c.p, bs - c.p);
+    c.p = bs + 1;
     if (c.p >= c.e) fail(c, "unterminated escape");
     char esc = *c.p++;
     switch (esc) {
@@ -114,15 +124,14 @@ void read_string(Cur& c, std::string& out) {
 
 void skip_string(Cur& c) {
   ++c.p;  // opening quote
-  while (c.p < c.e) {
-    char ch = *c.p++;
-    if (ch == '\\') {
-      ++c.p;
-    } else if (ch == '"') {
-      return;
-    }
+  for (;;) {
+    const char* q = static_cast<const char*>(std::memchr(c.p, '"', c.e - c.p));
+    if (!q) fail(c, "unterminated string");
+    size_t nbs = 0;  // backslashes right before the quote
+    for (const char* b = q; b > c.p && b[-1] == '\\'; --b) ++nbs;
+    c.p = q + 1;
+    if (nbs % 2 == 0) return;
   }
-  fail(c, "unterminated string");
 }
 
 // Skips one value (not validated: the parts kept are parsed properly later).
@@ -199,37 +208,88 @@ class VocabMap {
     for (auto p : *present) n += p;
     size_t cap = 16;
     while (cap < n * 2) cap <<= 1;
-    slots_.assign(cap, -1);
+    slots_.assign(cap, Slot{0, -1});
     mask_ = cap - 1;
     for (size_t id = 0; id < keys->size(); ++id) {
       if (!(*present)[id]) continue;
-      size_t h = hash((*keys)[id]) & mask_;
+      size_t h = hash((*keys)[id]);
+      uint32_t fp = static_cast<uint32_t>(h >> 32);
+      size_t i = h & mask_;
       for (;;) {
-        int32_t s = slots_[h];
-        if (s < 0) {
-          slots_[h] = static_cast<int32_t>(id);
+        Slot& s = slots_[i];
+        if (s.id < 0) {
+          s = Slot{fp, static_cast<int32_t>(id)};
           break;
         }
-        if ((*keys)[s] == (*keys)[id]) break;  // duplicate string: first id wins
-        h = (h + 1) & mask_;
+        if (s.fp == fp && (*keys)[s.id] == (*keys)[id]) break;  // duplicate: first id wins
+        i = (i + 1) & mask_;
       }
     }
   }
-  int32_t find(std::string_view s) const {
+  // Looks up n keys whose hashes are given, overlapping the memory latency of
+  // the lookups (used to resolve ~1.5M merge strings at load time).
+  void find_batch(const std::string_view* keys, const size_t* hashes, size_t n, int32_t* out) const {
+    constexpr size_t kMax = 64;
+    int32_t cand[kMax];
+    for (size_t base = 0; base < n; base += kMax) {
+      size_t m = std::min(kMax, n - base);
+      for (size_t k = 0; k < m; ++k) __builtin_prefetch(&slots_[hashes[base + k] & mask_]);
+      for (size_t k = 0; k < m; ++k) {
+        size_t h = hashes[base + k];
+        uint32_t fp = static_cast<uint32_t>(h >> 32);
+        cand[k] = -1;
+        for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+          const Slot& s = slots_[i];
+          if (s.id < 0) break;
+          if (s.fp == fp) {
+            cand[k] = s.id;
+            __builtin_prefetch(&(*keys_)[s.id]);
+            break;
+          }
+        }
+      }
+      for (size_t k = 0; k < m; ++k) {
+        int32_t c = cand[k];
+        // No fingerprint match: absent. A match on a different key: full probe.
+        out[base + k] = c < 0 ? -1 : ((*keys_)[c] == keys[base + k] ? c : find(keys[base + k]));
+      }
+    }
+  }
+  static size_t fnv_extend(uint64_t h, std::string_view s) {
+    for (unsigned char ch : s) {
+      h ^= ch;
+      h *= 1099511628211ULL;
+    }
+    return static_cast<size_t>(h);
+  }
+  static size_t finalize(uint64_t h) {
+    h ^= h >> 32;
+    h *= 0xd6e8feb86659fd93ULL;
+    h ^= h >> 32;
+    return static_cast<size_t>(h);
+  }
+  static constexpr uint64_t kFnvBasis = 1469598103934665603ULL;
+
+  int32_t find(std::string_view k) const {
     if (slots_.empty()) return -1;
-    size_t h = hash(s) & mask_;
-    for (;;) {
-      int32_t id = slots_[h];
-      if (id < 0) return -1;
-      if ((*keys_)[id] == s) return id;
-      h = (h + 1) & mask_;
+    size_t h = hash(k);
+    uint32_t fp = static_cast<uint32_t>(h >> 32);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (s.id < 0) return -1;
+      if (s.fp == fp && (*keys_)[s.id] == k) return s.id;
     }
   }
 
  private:
-  static size_t hash(std::string_view s) { return std::hash<std::string_view>{}(s); }
+  struct Slot {
+    uint32_t fp;
+    int32_t id;
+  };
+  // FNV-1a, then a 64-bit finalizer (short keys: cheaper than murmur here).
+  static size_t hash(std::string_view s) { return finalize(fnv_extend(kFnvBasis, s)); }
   const std::vector<std::string>* keys_ = nullptr;
-  std::vector<int32_t> slots_;
+  std::vector<Slot> slots_;
   size_t mask_ = 0;
 };
 
@@ -382,10 +442,16 @@ bool is_unicode_space(uint32_t cp) {
          cp == 0x205F || cp == 0x3000;
 }
 
-// Approximation of a "word" character for single_word added tokens.
+// HF checks single_word tokens with the Rust regex crate's Unicode \w
+// (Alphabetic, M, Nd, Pc, Join_Control); this class is its PCRE2 equivalent.
 bool is_word_cp(uint32_t cp) {
   if (cp < 0x80) return std::isalnum(static_cast<int>(cp)) || cp == '_';
-  return !is_unicode_space(cp);
+  static const Regex word(R"([\p{L}\p{Nl}\p{Nd}\p{M}\p{Pc}\x{200C}\x{200D}])");
+  std::string ch;
+  utf8_append(ch, cp);
+  std::vector<std::pair<size_t, size_t>> m;
+  word.find_all(ch, m);
+  return !m.empty();
 }
 
 enum class Behavior { Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous };
@@ -915,6 +981,7 @@ struct PostProcessor {
 
 struct AddedToken {
   std::string content;
+  std::string decoded;  // what id_to_token/decode give: the normalized content if normalized
   int32_t id;
   bool special, normalized, lstrip, rstrip, single_word;
 };
@@ -966,18 +1033,37 @@ class AddedTrie {
   bool any_ = false;
 };
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw TokenizerError("cannot open tokenizer file '" + path + "'");
-  f.seekg(0, std::ios::end);
-  std::streamoff n = f.tellg();
-  if (n < 0) throw TokenizerError("cannot read tokenizer file '" + path + "'");
-  std::string data(static_cast<size_t>(n), '\0');
-  f.seekg(0);
-  f.read(&data[0], n);
-  if (!f) throw TokenizerError("cannot read tokenizer file '" + path + "'");
-  return data;
-}
+// Read-only view of a whole file (mmap).
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    fd_ = ::open(path.c_str(), O_RDONLY);
+    if (fd_ < 0)
+      throw TokenizerError("cannot open tokenizer file '" + path + "': " + std::strerror(errno));
+    struct stat st;
+    if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode))
+      throw TokenizerError("'" + path + "' is not a regular file");
+    size_ = static_cast<size_t>(st.st_size);
+    if (size_ == 0) throw TokenizerError("tokenizer file '" + path + "' is empty");
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd_, 0);
+    if (p == MAP_FAILED)
+      throw TokenizerError("cannot map tokenizer file '" + path + "': " + std::strerror(errno));
+    data_ = static_cast<const char*>(p);
+  }
+  ~MappedFile() {
+    if (data_) ::munmap(const_cast<char*>(data_), size_);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  const char* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  int fd_ = -1;
+  const char* data_ = nullptr;
+  size_t size_ = 0;
+};
 
 }  // namespace
 
@@ -1185,7 +1271,7 @@ struct Tokenizer::Impl {
     auto it = added_by_id.find(id);
     if (it != added_by_id.end()) {
       *known = true;
-      return added[it->second].content;
+      return added[it->second].decoded;
     }
     if (id >= 0 && static_cast<size_t>(id) < vocab_str.size() && vocab_present[id]) {
       *known = true;
@@ -1199,10 +1285,74 @@ struct Tokenizer::Impl {
 };
 
 void Tokenizer::Impl::load(const std::string& path) {
-  std::string data = read_file(path);
-  fj::Cur c{data.data(), data.data() + data.size(), data.data()};
-  // Locate model.vocab and model.merges.
+  const bool prof = std::getenv("LLMRT_TOKENIZER_PROFILE") != nullptr;
+  auto tp = std::chrono::steady_clock::now();
+  auto phase = [&](const char* what) {
+    if (!prof) return;
+    auto now = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "[tokenizer profile] %-10s %.1f ms\n", what,
+                 std::chrono::duration<double, std::milli>(now - tp).count());
+    tp = now;
+  };
+  MappedFile file(path);
+  const char* data = file.data();
+  const size_t data_size = file.size();
+  phase("map");
+  // One pass over the file: model.vocab and model.merges (by far the largest
+  // parts) are parsed here directly; everything else is skipped and later
+  // parsed by nlohmann::json with those two values cut out.
+  fj::Cur c{data, data + data_size, data};
   const char *vb = nullptr, *ve = nullptr, *mb = nullptr, *me = nullptr;
+  std::vector<std::pair<std::string, int64_t>> entries;
+  std::string merge_text;            // "a" then "b" for every merge, back to back
+  std::vector<uint32_t> merge_lens;  // len(a), len(b) for every merge
+  auto parse_vocab = [&]() {
+    fj::expect(c, '{');
+    fj::ws(c);
+    if (c.p < c.e && *c.p == '}') {
+      ++c.p;
+      return;
+    }
+    std::string s;
+    for (;;) {
+      fj::read_string(c, s);
+      fj::expect(c, ':');
+      int64_t id = fj::read_int(c);
+      if (id < 0 || id > (int64_t(1) << 30)) fj::fail(c, "vocab id out of range");
+      entries.emplace_back(s, id);
+      if (!fj::next_or_close(c, '}')) break;
+    }
+  };
+  auto parse_merges = [&]() {
+    fj::expect(c, '[');
+    fj::ws(c);
+    if (c.p < c.e && *c.p == ']') {
+      ++c.p;
+      return;
+    }
+    std::string a, b;
+    for (;;) {
+      fj::ws(c);
+      if (c.p < c.e && *c.p == '"') {
+        fj::read_string(c, a);
+        size_t sp = a.find(' ');
+        if (sp == std::string::npos) fj::fail(c, "merge without a space");
+        b.assign(a, sp + 1, std::string::npos);
+        a.resize(sp);
+      } else {
+        fj::expect(c, '[');
+        fj::read_string(c, a);
+        fj::expect(c, ',');
+        fj::read_string(c, b);
+        fj::expect(c, ']');
+      }
+      merge_text += a;
+      merge_text += b;
+      merge_lens.push_back(static_cast<uint32_t>(a.size()));
+      merge_lens.push_back(static_cast<uint32_t>(b.size()));
+      if (!fj::next_or_close(c, ']')) break;
+    }
+  };
   std::string key;
   fj::expect(c, '{');
   fj::ws(c);
@@ -1225,13 +1375,17 @@ void Tokenizer::Impl::load(const std::string& path) {
             fj::expect(c, ':');
             fj::ws(c);
             const char* b = c.p;
-            fj::skip_value(c);
-            if (mkey == "vocab") {
+            if (mkey == "vocab" && c.p < c.e && *c.p == '{') {
+              parse_vocab();
               vb = b;
               ve = c.p;
-            } else if (mkey == "merges") {
+            } else if (mkey == "merges" && c.p < c.e && *c.p == '[') {
+              merge_text.reserve(static_cast<size_t>(data_size / 4));
+              parse_merges();
               mb = b;
               me = c.p;
+            } else {
+              fj::skip_value(c);
             }
             if (!fj::next_or_close(c, '}')) break;
           }
@@ -1242,21 +1396,24 @@ void Tokenizer::Impl::load(const std::string& path) {
       if (!fj::next_or_close(c, '}')) break;
     }
   }
+  phase("scan");
   // Everything but the two big values goes through nlohmann::json.
   std::string rest;
-  rest.reserve(data.size() - (ve - vb) - (me - mb) + 8);
   {
     std::vector<std::pair<const char*, const char*>> cuts;
-    if (vb && *vb == '{') cuts.push_back({vb, ve});
-    if (mb && *mb == '[') cuts.push_back({mb, me});
+    if (vb) cuts.push_back({vb, ve});
+    if (mb) cuts.push_back({mb, me});
     std::sort(cuts.begin(), cuts.end());
-    const char* p = data.data();
+    size_t cut_bytes = 0;
+    for (auto& cut : cuts) cut_bytes += cut.second - cut.first;
+    rest.reserve(data_size - cut_bytes + 8);
+    const char* p = data;
     for (auto& cut : cuts) {
       rest.append(p, cut.first - p);
       rest += (*cut.first == '{') ? "{}" : "[]";
       p = cut.second;
     }
-    rest.append(p, data.data() + data.size() - p);
+    rest.append(p, data + data_size - p);
   }
   json j;
   try {
@@ -1266,12 +1423,13 @@ void Tokenizer::Impl::load(const std::string& path) {
   }
   if (!j.is_object() || !j.contains("model") || !j["model"].is_object())
     throw TokenizerError("tokenizer.json '" + path + "' has no 'model' object");
+  phase("json");
   const json& model = j["model"];
   std::string type = model.value("type", std::string(mb ? "BPE" : ""));
   if (type != "BPE")
     throw TokenizerError("tokenizer.json: model type '" + type +
                          "' is not supported (only BPE models are)");
-  if (!vb || *vb != '{') throw TokenizerError("tokenizer.json: model.vocab is missing");
+  if (!vb) throw TokenizerError("tokenizer.json: model.vocab is missing");
   if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() > 0)
     throw TokenizerError("tokenizer.json: BPE dropout is not supported");
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
@@ -1284,25 +1442,6 @@ void Tokenizer::Impl::load(const std::string& path) {
 
   // vocab
   {
-    fj::Cur v{vb, ve, data.data()};
-    std::vector<std::pair<std::string, int64_t>> entries;
-    entries.reserve(static_cast<size_t>((ve - vb) / 12));
-    fj::expect(v, '{');
-    fj::ws(v);
-    if (v.p < v.e && *v.p == '}') {
-      ++v.p;
-    } else {
-      std::string s;
-      for (;;) {
-        fj::read_string(v, s);
-        fj::expect(v, ':');
-        int64_t id = fj::read_int(v);
-        if (id < 0 || id > (int64_t(1) << 30)) fj::fail(v, "vocab id out of range");
-        entries.emplace_back(std::move(s), id);
-        s = std::string();
-        if (!fj::next_or_close(v, '}')) break;
-      }
-    }
     int64_t max_id = -1;
     for (auto& e : entries) max_id = std::max(max_id, e.second);
     vocab_str.assign(static_cast<size_t>(max_id + 1), std::string());
@@ -1311,48 +1450,50 @@ void Tokenizer::Impl::load(const std::string& path) {
       vocab_str[e.second] = std::move(e.first);
       vocab_present[e.second] = 1;
     }
+    std::vector<std::pair<std::string, int64_t>>().swap(entries);
     vocab.build(&vocab_str, &vocab_present);
     size = max_id + 1;
   }
-  // merges
-  if (mb && *mb == '[') {
-    fj::Cur m{mb, me, data.data()};
-    merges.reserve(static_cast<size_t>((me - mb) / 10) + 16);
-    fj::expect(m, '[');
-    fj::ws(m);
-    std::string a, b, ab;
-    int32_t rank = 0;
-    if (m.p < m.e && *m.p == ']') {
-      ++m.p;
-    } else {
-      for (;;) {
-        fj::ws(m);
-        if (m.p < m.e && *m.p == '"') {
-          fj::read_string(m, a);
-          size_t sp = a.find(' ');
-          if (sp == std::string::npos) fj::fail(m, "merge without a space");
-          b.assign(a, sp + 1, std::string::npos);
-          a.resize(sp);
-        } else {
-          fj::expect(m, '[');
-          fj::read_string(m, a);
-          fj::expect(m, ',');
-          fj::read_string(m, b);
-          fj::expect(m, ']');
-        }
-        int32_t ia = vocab.find(a), ib = vocab.find(b);
-        if (ia >= 0 && ib >= 0) {
-          ab.assign(a);
-          ab += b;
-          int32_t iab = vocab.find(ab);
-          if (iab >= 0) merges.insert_or_assign(pair_key(ia, ib), MergeVal{rank, iab});
-        }
-        ++rank;
-        if (!fj::next_or_close(m, ']')) break;
+  phase("vocab");
+  // merges: (id(a), id(b)) -> (rank, id(a+b)); a later duplicate overrides
+  // an earlier one (as HF's HashMap collect does). Resolved in batches so the
+  // hash-table lookups overlap.
+  {
+    n_merges = merge_lens.size() / 2;
+    merges.reserve(n_merges);
+    constexpr size_t kBatch = 256;
+    std::vector<std::string> ab(kBatch);
+    std::string_view keys[3 * kBatch];
+    size_t hashes[3 * kBatch];
+    int32_t ids[3 * kBatch];
+    size_t off = 0;
+    for (size_t base = 0; base < n_merges; base += kBatch) {
+      size_t m = std::min(kBatch, n_merges - base);
+      for (size_t k = 0; k < m; ++k) {
+        size_t r = base + k;
+        std::string_view a(merge_text.data() + off, merge_lens[2 * r]);
+        off += a.size();
+        std::string_view b(merge_text.data() + off, merge_lens[2 * r + 1]);
+        off += b.size();
+        // a and b are adjacent in merge_text, so a+b is a view too.
+        std::string_view both(a.data(), a.size() + b.size());
+        uint64_t ha = VocabMap::fnv_extend(VocabMap::kFnvBasis, a);
+        keys[3 * k] = a;
+        keys[3 * k + 1] = b;
+        keys[3 * k + 2] = both;
+        hashes[3 * k] = VocabMap::finalize(ha);
+        hashes[3 * k + 1] = VocabMap::finalize(VocabMap::fnv_extend(VocabMap::kFnvBasis, b));
+        hashes[3 * k + 2] = VocabMap::finalize(VocabMap::fnv_extend(ha, b));
+      }
+      vocab.find_batch(keys, hashes, 3 * m, ids);
+      for (size_t k = 0; k < m; ++k) {
+        int32_t ia = ids[3 * k], ib = ids[3 * k + 1], iab = ids[3 * k + 2];
+        if (ia >= 0 && ib >= 0 && iab >= 0)
+          merges.insert_or_assign(pair_key(ia, ib), MergeVal{static_cast<int32_t>(base + k), iab});
       }
     }
-    n_merges = static_cast<size_t>(rank);
   }
+  phase("merges");
   for (int b = 0; b < 256; ++b) {
     char name[8];
     std::snprintf(name, sizeof(name), "<0x%02X>", b);
@@ -1391,14 +1532,18 @@ void Tokenizer::Impl::load(const std::string& path) {
 
   for (size_t i = 0; i < added.size(); ++i) {
     const AddedToken& at = added[i];
+    AddedToken& at_mut = added[i];
+    at_mut.decoded = at.content;
     if (at.normalized) {
       std::string content = at.content;
       if (normalizer) normalizer->apply(content);
       trie_norm.add(content, static_cast<int>(i));
+      at_mut.decoded = content;  // HF (0.2x) decodes a normalized added token as its normalized form
     } else {
       trie_raw.add(at.content, static_cast<int>(i));
     }
   }
+  phase("rest");
 }
 
 Tokenizer::Tokenizer() : impl_(std::make_unique<Impl>()) {}

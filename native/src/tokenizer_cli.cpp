@@ -2,7 +2,8 @@
 //
 //   tokenizer_cli --tokenizer tokenizer.json encode [--add-special] [--input F]
 //       input: one JSON string per line; output: one JSON object per line
-//       {"ids": [...], "text": decode(ids), "stream": concatenated decode_token}
+//       {"ids": [...], "text": decode(ids), "stream": decode_token one by one through
+//       the runner's UTF-8 stream}
 //   tokenizer_cli --tokenizer tokenizer.json decode [--skip-special] [--input F]
 //       input: one JSON array of ids per line; output: one JSON string per line
 //   tokenizer_cli --tokenizer tokenizer.json info
@@ -16,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tokenizer.h"
+#include "utf8.h"
 
 using json = nlohmann::json;
 
@@ -89,8 +91,11 @@ int main(int argc, char** argv) {
       if (mode == "encode") {
         std::string text = j.get<std::string>();
         std::vector<int32_t> ids = tok->encode(text, add_special);
+        // What the runner prints: token by token through the UTF-8 stream.
+        llmrt::Utf8Stream utf8;
         std::string stream;
-        for (size_t k = 0; k < ids.size(); ++k) stream += tok->decode_token(ids[k], k == 0);
+        for (size_t k = 0; k < ids.size(); ++k) stream += utf8.push(tok->decode_token(ids[k], k == 0));
+        stream += utf8.finish();
         json o = {{"ids", ids}, {"text", tok->decode(ids)}, {"stream", stream}};
         std::cout << dump(o) << "\n";
       } else {

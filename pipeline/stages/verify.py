@@ -107,9 +107,11 @@ def run(ctx) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     _, eos = special_ids(model_dir)
     eos = set(eos)
+    quantized = json.loads((ctx.inputs["quantize"] / "quantize.json").read_text())
     with spinner("load eager references and the program", ctx.progress):
-        eager_q = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
         eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
+        eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
+            torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
         pte = PteModule(ctx.inputs["lower"] / "model.pte")
     prompts, problems = [], []
     for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
@@ -120,16 +122,22 @@ def run(ctx) -> dict:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
         ref, ref_logits = greedy(eager_q, ids, n, chunk, eos)
         got, _ = greedy(pte, ids, n, chunk, eos)
-        pte_tf = teacher_forced(pte, ids, ref, chunk)
-        float_tf = teacher_forced(eager_f, ids, ref, chunk)
-        same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, pte_tf)}
-        flt_tokens, _ = greedy(eager_f, ids, n, chunk, eos)
-        vs_float = {"greedy_match": leading_match(flt_tokens, got), **compare(float_tf, pte_tf)}
-        entry = {"prompt": text, "prompt_tokens": len(ids), "reference": ref, "pte": got,
-                 "float_reference": flt_tokens, "reference_text": tok.decode(ref), "pte_text": tok.decode(got),
-                 "same_quant": same, "vs_float": vs_float}
+        same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, teacher_forced(pte, ids, ref, chunk))}
+        flt, flt_logits = greedy(eager_f, ids, n, chunk, eos)
+        vs_float = {"greedy_match": leading_match(flt, got),
+                    **compare(flt_logits, teacher_forced(pte, ids, flt, chunk))}
+        # what quantization itself costs (eager, same tokens): the program should cost no more
+        cost = vs_float if eager_q is eager_f else \
+            {"greedy_match": leading_match(flt, ref), **compare(flt_logits, teacher_forced(eager_q, ids, flt, chunk))}
+        entry = {"prompt": text, "prompt_tokens": len(ids), "reference": ref, "pte": got, "float_reference": flt,
+                 "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
+                 "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
         found = check(same, vc.same_quant, len(ref), "vs same-quant eager") + \
-            check(vs_float, vc.vs_float, len(flt_tokens), "vs float eager")
+            check(vs_float, vc.vs_float, len(flt), "vs float eager")
+        ratio = vc.vs_float.max_kld_ratio
+        if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:
+            found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
+                         f"{cost['kld']:.4g}")
         if found:
             problems.append({"prompt": text, "problems": found, "reference_text": entry["reference_text"],
                              "pte_text": entry["pte_text"]})
@@ -141,7 +149,7 @@ def run(ctx) -> dict:
             "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
             "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
-        } for key in ("same_quant", "vs_float")
+        } for key in ("same_quant", "vs_float", "quant_cost")
     }
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))

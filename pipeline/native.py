@@ -1,0 +1,172 @@
+"""The native runner (native/): build it on demand and call it.
+
+    python -m pipeline.native path     # build if missing/stale, print the runner path
+    python -m pipeline.native build    # same, always runs the (incremental) build
+
+API for the verify stage:
+    runner_path(build=True) -> Path
+    run(pte, tokenizer, *, prompt=None, prompt_ids=None, chat="0", ...) -> dict (stats JSON)
+    encode(tokenizer, prompt, chat) -> list[int]
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
+BUILD_DIR = NATIVE_DIR / "build"
+RUNNER = BUILD_DIR / "llm_runner"
+TOKENIZER_CLI = BUILD_DIR / "tokenizer_cli"
+
+
+class NativeError(RuntimeError):
+    """Base class for native runner failures."""
+
+
+class NativeBuildError(NativeError):
+    """native/build.sh failed."""
+
+
+class NativeRunError(NativeError):
+    """The runner exited non-zero (or timed out); .stderr holds its report."""
+
+    def __init__(self, message: str, *, returncode: int | None, stderr: str, cmd: Sequence[str]):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
+        self.cmd = list(cmd)
+
+
+def _sources() -> list[Path]:
+    files = [NATIVE_DIR / "CMakeLists.txt", NATIVE_DIR / "build.sh"]
+    files += sorted((NATIVE_DIR / "src").glob("*"))
+    return [f for f in files if f.is_file()]
+
+
+def _stale(binary: Path) -> bool:
+    if not binary.exists():
+        return True
+    newest = max((f.stat().st_mtime for f in _sources()), default=0.0)
+    return binary.stat().st_mtime < newest
+
+
+def build_native(force: bool = False) -> Path:
+    """Runs native/build.sh (under a lock) unless the binaries are up to date."""
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    with open(BUILD_DIR / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force or _stale(RUNNER) or _stale(TOKENIZER_CLI):
+            env = dict(os.environ, PYTHON=sys.executable)
+            proc = subprocess.run(["bash", str(NATIVE_DIR / "build.sh")], capture_output=True,
+                                  text=True, env=env)
+            if proc.returncode != 0 or not RUNNER.exists():
+                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+                raise NativeBuildError(f"native build failed (native/build.sh):\n{tail}")
+            # ninja does not touch up-to-date outputs: mark them fresh for _stale().
+            for binary in (RUNNER, TOKENIZER_CLI):
+                if binary.exists():
+                    binary.touch()
+    return RUNNER
+
+
+def runner_path(build: bool = True) -> Path:
+    """Path of native/build/llm_runner, building it first if missing or older than its sources."""
+    if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI)):
+        build_native()
+    if not RUNNER.exists():
+        raise NativeBuildError(f"{RUNNER} does not exist (run: python -m pipeline.native path)")
+    return RUNNER
+
+
+def tokenizer_cli_path(build: bool = True) -> Path:
+    runner_path(build)
+    return TOKENIZER_CLI
+
+
+def _call(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL, errors="replace")
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise NativeRunError(f"llm_runner timed out after {timeout} s", returncode=None,
+                             stderr=err, cmd=args) from None
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["(no output)"]
+        errors = [ln for ln in lines if ln.startswith("error:")]
+        raise NativeRunError(f"llm_runner failed (exit {proc.returncode}): {(errors or lines)[-1]}",
+                             returncode=proc.returncode, stderr=proc.stderr, cmd=args)
+    return proc
+
+
+def run(pte: str | os.PathLike, tokenizer: str | os.PathLike | None, *,
+        prompt: str | None = None, prompt_ids: Iterable[int] | None = None, chat: str = "0",
+        max_new_tokens: int = 32, temperature: float = 0.0, extra_args: Sequence[str] = (),
+        timeout: float = 900.0) -> dict:
+    """Runs one generation and returns the runner's stats JSON.
+
+    Keys include prompt_ids, generated_ids (a final stop token included), text,
+    stop_reason, load_ms, ttft_ms, prefill_tok_s, decode_tok_s, sampling_ms,
+    rss_after_{load,prefill,decode}_mib, peak_rss_mib, recipe_hash.
+    Raises NativeRunError (a RuntimeError) with the runner's stderr on failure.
+    """
+    if (prompt is None) == (prompt_ids is None):
+        raise ValueError("give exactly one of prompt= or prompt_ids=")
+    with tempfile.TemporaryDirectory(prefix="llm_runner_") as tmp:
+        stats_path = Path(tmp) / "stats.json"
+        args = [str(runner_path()), "--pte", str(pte), "--chat", str(chat),
+                "--max-new-tokens", str(int(max_new_tokens)), "--temperature", str(float(temperature)),
+                "--stats-json", str(stats_path), "--quiet"]
+        if tokenizer is not None:
+            args += ["--tokenizer", str(tokenizer)]
+        if prompt is not None:
+            args += ["--prompt", prompt]
+        else:
+            args += ["--prompt-ids", ",".join(str(int(i)) for i in prompt_ids)]
+        args += list(extra_args)
+        proc = _call(args, timeout)
+        lines = stats_path.read_text().splitlines() if stats_path.exists() else []
+        if not lines:
+            raise NativeRunError("llm_runner wrote no stats", returncode=proc.returncode,
+                                 stderr=proc.stderr, cmd=args)
+        return json.loads(lines[-1])
+
+
+def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,
+           pte: str | os.PathLike | None = None, timeout: float = 120.0) -> list[int]:
+    """Prompt ids after the chat template, exactly as the runner would feed them."""
+    args = [str(runner_path()), "--tokenizer", str(tokenizer), "--prompt", prompt,
+            "--chat", str(chat), "--encode"]
+    if pte is not None:
+        args += ["--pte", str(pte)]
+    out = _call(args, timeout).stdout.strip()
+    return [int(x) for x in out.split()] if out else []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[0] if argv else "path"
+    try:
+        if cmd == "path":
+            print(runner_path())
+        elif cmd == "build":
+            print(build_native(force=True))
+        elif cmd == "tokenizer-cli":
+            print(tokenizer_cli_path())
+        else:
+            print("usage: python -m pipeline.native [path|build|tokenizer-cli]", file=sys.stderr)
+            return 2
+    except NativeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Fixtures for the native runner / tokenizer tests (tests/native)."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+for p in (str(HERE), str(REPO)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: needs the real SmolLM2 / Gemma-3 model dirs")
+
+
+@pytest.fixture(scope="session")
+def native_bins():
+    """(llm_runner, tokenizer_cli), built with native/build.sh if missing or stale."""
+    from pipeline import native
+
+    runner = native.runner_path(build=True)
+    return runner, native.TOKENIZER_CLI
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ",".join(f"{p}={version(p)}" for p in ("torch", "executorch", "transformers", "torchao"))
+
+
+@pytest.fixture(scope="session")
+def tiny_programs() -> Path:
+    """Tiny exported programs + Python-runtime reference tokens (native_tiny_export.py).
+
+    Exporting takes a minute or two, so the result is cached per script content and
+    package versions under $LLM_NATIVE_TEST_CACHE (default ~/.cache/llm-pipeline/native-tests).
+    """
+    script = HERE / "native_tiny_export.py"
+    key = hashlib.sha256(script.read_bytes() + _versions().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("LLM_NATIVE_TEST_CACHE",
+                               Path.home() / ".cache" / "llm-pipeline" / "native-tests"))
+    out = root / key
+    out.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "reference.json").exists():
+            proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True,
+                                  text=True, timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"tiny export failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+# --- TEMPORARY (native developer): remove once tests/conftest.py provides these ---------
+_DEV_DIRS = {"smollm2": Path("/tmp/nd/smollm2"), "gemma3": Path("/tmp/nd/gemma3")}
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    d = _DEV_DIRS["smollm2"]
+    if not (d / "tokenizer.json").exists():
+        pytest.skip("SmolLM2 model dir not available")
+    return d
+
+
+@pytest.fixture(scope="session")
+def gemma3_model_dir() -> Path:
+    d = _DEV_DIRS["gemma3"]
+    if not (d / "tokenizer.json").exists():
+        pytest.skip("Gemma-3 model dir not available")
+    return d
+# --- end TEMPORARY ------------------------------------------------------------------------
