@@ -149,7 +149,7 @@ def run(ctx) -> dict:
             "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
             "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
-        } for key in ("same_quant", "vs_float", "quant_cost")
+        } for key in ("same_quant", "vs_float") + (("quant_cost",) if eager_q is not eager_f else ())
     }
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))

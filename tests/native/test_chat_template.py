@@ -30,12 +30,12 @@ def test_chatml_matches_transformers(native_bins, smollm2_model_dir):
                                           add_generation_prompt=True, tokenize=True)
         if not isinstance(expected, list):  # BatchEncoding in some versions
             expected = expected["input_ids"]
-        assert encode(native_bins, smollm2_model_dir / "tokenizer.json", prompt, "chatml") == expected
+        assert encode(native_bins, Path(smollm2_model_dir) / "tokenizer.json", prompt, "chatml") == expected
 
 
 @pytest.mark.real_model
 def test_gemma_templates(native_bins, gemma3_model_dir):
-    tok_path = gemma3_model_dir / "tokenizer.json"
+    tok_path = Path(gemma3_model_dir) / "tokenizer.json"
     hf = Tokenizer.from_file(str(tok_path))
     for prompt in PROMPTS:
         text = f"<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n"
@@ -48,7 +48,7 @@ def test_gemma_templates(native_bins, gemma3_model_dir):
 
 @pytest.mark.real_model
 def test_raw_uses_program_bos_when_tokenizer_has_none(native_bins, smollm2_model_dir, tiny_programs):
-    tok_path = smollm2_model_dir / "tokenizer.json"
+    tok_path = Path(smollm2_model_dir) / "tokenizer.json"
     hf = Tokenizer.from_file(str(tok_path))
     plain = hf.encode("Hello world", add_special_tokens=False).ids
     assert encode(native_bins, tok_path, "Hello world", "0") == plain

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -43,5 +44,24 @@ def test_run_error_carries_stderr(native_bins, tmp_path):
 
 @pytest.mark.real_model
 def test_encode(native_bins, smollm2_model_dir):
-    ids = native.encode(smollm2_model_dir / "tokenizer.json", "What is the capital of France?", "chatml")
+    ids = native.encode(Path(smollm2_model_dir) / "tokenizer.json", "What is the capital of France?", "chatml")
     assert ids[:3] == [1, 9690, 198] and ids[-3:] == [520, 9531, 198]
+
+
+def test_runner_on_pipeline_tiny_recipe(native_bins):
+    """The lead's pipeline output (tiny random Llama): runner == ExecuTorch Python runtime."""
+    import json
+
+    from native_tiny_export import python_greedy
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "recipe=tiny_llama_xnnpack"], capture_output=True,
+                          text=True, cwd=str(native.NATIVE_DIR.parent), timeout=900)
+    if proc.returncode != 0:
+        pytest.skip(f"pipeline recipe=tiny_llama_xnnpack failed: {proc.stderr[-500:]}")
+    lines = dict(ln.split(": ", 1) for ln in proc.stdout.strip().splitlines()[-2:])
+    manifest = json.loads(open(lines["manifest"]).read())
+    prompt = [1, 317, 424, 476, 100, 200, 300, 17, 42, 7] * 2  # 20 ids > the recipe's chunk of 16
+    stats = native.run(manifest["pte"], manifest["tokenizer"], prompt_ids=prompt, max_new_tokens=12)
+    ref = python_greedy(manifest["pte"], prompt, 12, chunk=stats["max_seq_len"])
+    assert stats["generated_ids"] == ref[:len(stats["generated_ids"])]
+    assert stats["recipe_hash"]

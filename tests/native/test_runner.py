@@ -162,11 +162,11 @@ def test_errors_are_messages_not_crashes(native_bins, tiny_programs, tmp_path):
 @pytest.mark.real_model
 def test_vocab_mismatch_is_an_error(native_bins, tiny_programs, gemma3_model_dir, smollm2_model_dir):
     proc = runner(native_bins, "--pte", tiny_programs / "tiny_last.pte", "--tokenizer",
-                  gemma3_model_dir / "tokenizer.json", "--prompt", "hi")
+                  Path(gemma3_model_dir) / "tokenizer.json", "--prompt", "hi")
     _expect_error(proc, "tokenizer vocabulary (262144 ids) does not match the program's vocabulary (49152)")
     # equal sizes are fine
     proc = runner(native_bins, "--pte", tiny_programs / "tiny_last.pte", "--tokenizer",
-                  smollm2_model_dir / "tokenizer.json", "--prompt", "hi", "--max-new-tokens", 2)
+                  Path(smollm2_model_dir) / "tokenizer.json", "--prompt", "hi", "--max-new-tokens", 2)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -174,7 +174,7 @@ def test_vocab_mismatch_is_an_error(native_bins, tiny_programs, gemma3_model_dir
 def test_prompt_text_and_streamed_output(native_bins, tiny_programs, smollm2_model_dir):
     from tokenizers import Tokenizer
 
-    tok_path = smollm2_model_dir / "tokenizer.json"
+    tok_path = Path(smollm2_model_dir) / "tokenizer.json"
     proc = runner(native_bins, "--pte", tiny_programs / "tiny_last.pte", "--tokenizer", tok_path,
                   "--prompt", "What is the capital of France?", "--chat", "chatml", "--max-new-tokens", 24)
     assert proc.returncode == 0, proc.stderr
@@ -193,7 +193,7 @@ def test_interactive_turns_undo_reset(native_bins, tiny_programs, smollm2_model_
     script = "\n".join(["Hello there", "/undo", "Hello there", "/undo 5", "second turn", long_turn,
                         "/reset", "Hello there", "/quit", "never read"]) + "\n"
     proc = runner(native_bins, "--pte", tiny_programs / "tiny_last.pte", "--tokenizer",
-                  smollm2_model_dir / "tokenizer.json", "--chat", "chatml", "--interactive",
+                  Path(smollm2_model_dir) / "tokenizer.json", "--chat", "chatml", "--interactive",
                   "--max-new-tokens", 6, stdin=script)
     assert proc.returncode == 0, proc.stderr
     turns = stats_lines(proc)

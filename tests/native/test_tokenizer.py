@@ -59,12 +59,12 @@ def test_corpus_is_large_and_varied():
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_real_tokenizer_parity(model, add_special, native_bins, request, tmp_path):
     model_dir = request.getfixturevalue(f"{model}_model_dir")
-    _check_parity(native_bins[1], model_dir / "tokenizer.json", CORPUS, tmp_path, add_special)
+    _check_parity(native_bins[1], Path(model_dir) / "tokenizer.json", CORPUS, tmp_path, add_special)
 
 
 @pytest.mark.real_model
 def test_gemma_tokenizer_loads_fast(native_bins, gemma3_model_dir):
-    proc = subprocess.run([str(native_bins[1]), "--tokenizer", str(gemma3_model_dir / "tokenizer.json"),
+    proc = subprocess.run([str(native_bins[1]), "--tokenizer", str(Path(gemma3_model_dir) / "tokenizer.json"),
                            "info"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
