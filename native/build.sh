@@ -8,10 +8,14 @@ BUILD="${HERE}/build"
 PY="${PYTHON:-python}"
 JOBS="${JOBS:-2}"
 ET_DIR="$("$PY" -c 'import executorch; print(executorch.__path__[0])')"
-CMAKE="${CMAKE:-cmake}"
+# Prefer the pip-installed CMake (>= 3.28) over an older system one.
+if [ -z "${CMAKE:-}" ]; then
+  CMAKE="$("$PY" -c 'import cmake, os; print(os.path.join(cmake.CMAKE_BIN_DIR, "cmake"))' 2>/dev/null || true)"
+  [ -x "$CMAKE" ] || CMAKE=cmake
+fi
 GEN=()
 if command -v ninja >/dev/null 2>&1; then GEN=(-G Ninja); fi
-if [ ! -f "${BUILD}/CMakeCache.txt" ]; then
+if [ ! -f "${BUILD}/CMakeCache.txt" ] || ! grep -qxF "CMAKE_PREFIX_PATH:UNINITIALIZED=${ET_DIR}" "${BUILD}/CMakeCache.txt"; then
   "$CMAKE" -S "$HERE" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$ET_DIR" >&2
 fi

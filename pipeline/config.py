@@ -148,6 +148,7 @@ class VerifyConfig:
         "Write a haiku about the sea.",
     ])
     chat: bool = True                         # apply the tokenizer's chat template when it has one
+    native: bool = True                       # also run the C++ runner: its tokens must equal the Python runtime's
     max_new_tokens: int = 16
     # the .pte against the eager model with the same quantization: did export+lower preserve it?
     same_quant: Thresholds = field(default_factory=lambda: Thresholds(

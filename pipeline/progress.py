@@ -32,4 +32,5 @@ def spinner(desc: str, enabled: bool = True):
 
 
 def bar(iterable=None, desc: str = "", total=None, enabled: bool = True):
-    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False, disable=not enabled)
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, leave=False,
+                disable=not enabled or not sys.stderr.isatty())

@@ -45,10 +45,16 @@ def tool_versions() -> dict:
 
 
 def source_rev(stage_module) -> str:
+    """Hash of the code a stage runs: its module, the shared modules, and any SOURCES it declares."""
     h = hashlib.sha256()
-    for rel in (Path(stage_module.__file__).relative_to(paths.ROOT).as_posix(), *SHARED_SOURCES):
-        h.update(rel.encode())
-        h.update((paths.ROOT / rel).read_bytes())
+    rels = (Path(stage_module.__file__).relative_to(paths.ROOT).as_posix(), *SHARED_SOURCES,
+            *getattr(stage_module, "SOURCES", ()))
+    for rel in rels:
+        target = paths.ROOT / rel
+        for f in sorted(target.rglob("*")) if target.is_dir() else [target]:
+            if f.is_file():
+                h.update(f.relative_to(paths.ROOT).as_posix().encode())
+                h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 

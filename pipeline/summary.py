@@ -43,6 +43,11 @@ def print_summary(m: dict) -> None:
                 continue
             print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
                   f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
+    nat = (v or {}).get("native")
+    if nat:
+        print(f"  C++ runner: tokens {'identical to' if nat['token_parity'] else 'DIFFER from'} the Python runtime, "
+              f"prefill {nat['prefill_tok_s'] or 0:.0f} tok/s, decode {nat['decode_tok_s'] or 0:.1f} tok/s, "
+              f"peak RSS {nat['peak_rss_mib'] or 0:.0f} MiB")
     if m.get("pte"):
         print(f"pte: {m['pte']}")
     print(f"manifest: {m['run_manifest']}")

@@ -10,11 +10,12 @@ import logging
 
 import torch
 
+from pipeline.config import v
 from pipeline.progress import spinner
 
 NAME, VERSION = "export", 1
 AFTER = ("quantize",)
-CONFIG_KEYS = ("export",)
+CONFIG_KEYS = ("export", "backend.name")  # weight-only linears take a backend-specific form
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,16 @@ def export_program(module, chunk: int, strict: bool = True):
 def run(ctx) -> dict:
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+    info = {}
+    linear = v(ctx.cfg.quantize.linear)
+    if v(ctx.cfg.backend.name) == "xnnpack" and linear in ("4w", "8w"):
+        from pipeline.backends.xnnpack_woq import prepare_weight_only_linears
+        info = prepare_weight_only_linears(module.model, 4 if linear == "4w" else 8)
+        if info["mixed_linear"]:
+            log.warning("%d group-wise weight-only linears run on the portable mixed_linear kernel "
+                        "(XNNPACK has none for fp32 x group-wise int weights): correct but slow; "
+                        "quantize.linear_group_size=0 puts them on XNNPACK", info["mixed_linear"])
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
     torch.export.save(ep, ctx.out / "program.pt2")
-    return {"graph_nodes": len(ep.graph.nodes)}
+    return {"graph_nodes": len(ep.graph.nodes), **info}

@@ -24,11 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def _xnnpack():
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    return [XnnpackPartitioner()]
+    # the stock partitioner silently drops weight-only scales; see pipeline/backends/xnnpack_woq.py
+    from pipeline.backends.xnnpack_woq import partitioner, split_weight_only_linear_bias
+    return [partitioner()], [split_weight_only_linear_bias]
 
 
-BACKENDS = {"xnnpack": _xnnpack, "portable": lambda: []}
+BACKENDS = {"xnnpack": _xnnpack, "portable": lambda: ([], [])}
 
 
 def special_ids(model_dir) -> tuple[int, list[int]]:
@@ -79,8 +80,12 @@ def delegation_report(edge) -> dict:
 
 def lower(ep, backend: str, methods: dict, quant_fusion: bool):
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+
+    from pipeline.runtime import load_kernels
+    load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
+    partitioners, passes = BACKENDS[backend]()
     edge = to_edge_transform_and_lower(
-        ep, partitioner=BACKENDS[backend](), constant_methods=methods,
+        ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
     report = delegation_report(edge)
     et = edge.to_executorch(ExecutorchBackendConfig(

@@ -24,6 +24,7 @@ from pipeline.runtime import PteModule
 NAME, VERSION = "verify", 1
 AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
+SOURCES = ("pipeline/native.py", "native/src", "native/CMakeLists.txt")  # the C++ runner it checks against
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,11 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
             "kld": max(0.0, kld.mean().item())}  # rounding can make ~0 negative
 
 
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
 def leading_match(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -95,6 +101,15 @@ def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
     if th.max_kld is not None and figures["kld"] > th.max_kld:
         problems.append(f"{label}: mean KLD {figures['kld']:.4g} > {th.max_kld}")
     return problems
+
+
+def native_check(ctx, ids: list[int], n: int, python_tokens: list[int]) -> dict:
+    """Greedy through the C++ runner on the same prompt ids; returns its tokens and speed figures."""
+    from pipeline import native
+    stats = native.run(ctx.inputs["lower"] / "model.pte", ctx.inputs["download"] / "model" / "tokenizer.json",
+                       prompt_ids=ids, max_new_tokens=n)
+    keep = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mib")
+    return {"generated_ids": list(stats["generated_ids"]), **{k: stats.get(k) for k in keep}}
 
 
 def run(ctx) -> dict:
@@ -138,6 +153,12 @@ def run(ctx) -> dict:
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:
             found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
                          f"{cost['kld']:.4g}")
+        if vc.native:
+            entry["native"] = native_check(ctx, ids, n, got)
+            if entry["native"]["generated_ids"] != got:
+                found.append("C++ runner vs Python runtime (same program, same kernels): tokens differ\n"
+                             f"      python: {tok.decode(got)!r}\n"
+                             f"      c++:    {tok.decode(entry['native']['generated_ids'])!r}")
         if found:
             problems.append({"prompt": text, "problems": found, "reference_text": entry["reference_text"],
                              "pte_text": entry["pte_text"]})
@@ -151,6 +172,14 @@ def run(ctx) -> dict:
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
         } for key in ("same_quant", "vs_float") + (("quant_cost",) if eager_q is not eager_f else ())
     }
+    if vc.native:
+        runs = [p["native"] for p in prompts]
+        summary["native"] = {
+            "token_parity": all(p["native"]["generated_ids"] == p["pte"] for p in prompts),
+            "prefill_tok_s": _median([r["prefill_tok_s"] for r in runs]),
+            "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
+            "peak_rss_mib": max((r["peak_rss_mib"] or 0) for r in runs),
+        }
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     ctx.info["verify_report"] = report

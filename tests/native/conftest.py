@@ -57,25 +57,3 @@ def tiny_programs() -> Path:
             if proc.returncode != 0:
                 pytest.fail(f"tiny export failed:\n{proc.stderr[-4000:]}")
     return out
-
-
-# --- TEMPORARY (native developer): remove once tests/conftest.py provides these ---------
-# Tokenizer-only dirs made with transformers from the packaged GGUF files; they override
-# tests/conftest.py's fixtures for tests/native. NATIVE_DEV_MODEL_DIRS=0 uses those instead.
-if os.environ.get("NATIVE_DEV_MODEL_DIRS", "1") == "1":
-    _DEV_DIRS = {"smollm2": Path("/tmp/nd/smollm2"), "gemma3": Path("/tmp/nd/gemma3")}
-
-    @pytest.fixture(scope="session")
-    def smollm2_model_dir() -> Path:
-        d = _DEV_DIRS["smollm2"]
-        if not (d / "tokenizer.json").exists():
-            pytest.skip("SmolLM2 model dir not available")
-        return d
-
-    @pytest.fixture(scope="session")
-    def gemma3_model_dir() -> Path:
-        d = _DEV_DIRS["gemma3"]
-        if not (d / "tokenizer.json").exists():
-            pytest.skip("Gemma-3 model dir not available")
-        return d
-# --- end TEMPORARY ------------------------------------------------------------------------

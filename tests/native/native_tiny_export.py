@@ -4,11 +4,12 @@
 
 writes into OUT_DIR:
   tiny_last.pte   fp32 Llama (2 layers, hidden 64), logits 'last', chunk 16, context 96
-  tiny_full.pte   same weights, logits 'full'
   tiny_8da4w.pte  4-bit embedding + 8da4w linears (int8 dynamic activations, int4 weights,
                   group 32), logits 'last'
   no_consts.pte   a trivial program with no constant methods
   bad_consts.pte  a trivial program whose get_max_context_len is 0
+  counter_*.pte   weightless programs predicting (last token + 1) % 64, Half/BFloat16/Float logits,
+                  modes full/last/selected, EOS 60
   reference.json  greedy tokens from the ExecuTorch Python runtime for PROMPT_IDS on each LLM program
 
 The KV cache lives in the program as mutable buffers (transformers' static cache
@@ -105,6 +106,44 @@ def _export_trivial(out: Path, constants: dict | None) -> None:
     out.write_bytes(to_edge(ep, **kwargs).to_executorch().buffer)
 
 
+COUNTER_VOCAB = 64
+COUNTER_EOS = 60
+
+
+def _export_counter(out: Path, dtype: torch.dtype, logits_mode: int) -> None:
+    """A weightless program whose greedy next token is (last token + 1) % 64: checks logits
+    dtypes (Half / BFloat16), the three logits modes and stopping on an EOS id, in seconds."""
+    import torch.nn.functional as F
+    from executorch.exir import to_edge
+
+    vocab, ctx, chunk = COUNTER_VOCAB, 64, 8
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("eye", torch.eye(vocab, dtype=dtype) * 3)
+
+        def forward(self, tokens, positions):
+            logits = F.embedding((tokens + 1) % vocab, self.eye)
+            return logits[:, -1:, :] if logits_mode == 1 else logits
+
+    class Selected(Counter):
+        def forward(self, tokens, positions, rows):
+            return super().forward(tokens, positions).index_select(1, rows)
+
+    t = torch.export.Dim("T", min=1, max=chunk)
+    example = (torch.tensor([[1, 2]]), torch.tensor([0, 1]))
+    shapes = ({1: t}, {0: t})
+    if logits_mode == 2:
+        example, shapes = example + (torch.tensor([1]),), shapes + (None,)
+    ep = torch.export.export(Selected() if logits_mode == 2 else Counter(), example, dynamic_shapes=shapes)
+    code = {torch.float16: 5, torch.bfloat16: 15, torch.float32: 6}[dtype]
+    constants = {"get_max_context_len": ctx, "get_max_seq_len": chunk, "get_vocab_size": vocab,
+                 "get_activation_dtype": code, "get_logits_to_keep_mode": logits_mode, "get_bos_id": 1,
+                 "get_eos_ids": [COUNTER_EOS], "get_recipe_hash": 12345}
+    out.write_bytes(to_edge(ep, constant_methods=constants).to_executorch().buffer)
+
+
 def python_greedy(pte: Path, prompt: list[int], n_new: int, chunk: int = CHUNK) -> list[int]:
     """Greedy decoding with the ExecuTorch Python runtime (chunked prefill like the runner)."""
     import executorch.kernels.quantized  # noqa: F401  (quantized_decomposed:: kernels for Python)
@@ -142,15 +181,16 @@ def main(out_dir: str) -> None:
     bad = _constants(1)
     bad["get_max_context_len"] = 0
     _export_trivial(out / "bad_consts.pte", bad)
+    _export_counter(out / "counter_half_full.pte", torch.float16, 0)
+    _export_counter(out / "counter_bf16_last.pte", torch.bfloat16, 1)
+    _export_counter(out / "counter_fp32_selected.pte", torch.float32, 2)
     step("trivial programs")
     _export_llm(out / "tiny_last.pte", 1)
     step("tiny_last")
-    _export_llm(out / "tiny_full.pte", 0)
-    step("tiny_full")
     _export_llm(out / "tiny_8da4w.pte", 1, quant="8da4w")
     step("tiny_8da4w")
     ref = {"prompt_ids": PROMPT_IDS, "n_new": N_NEW}
-    for name in ("tiny_last", "tiny_full", "tiny_8da4w"):
+    for name in ("tiny_last", "tiny_8da4w"):
         ref[name] = python_greedy(out / f"{name}.pte", PROMPT_IDS, N_NEW)
     step("python references")
     (out / "reference.json").write_text(json.dumps(ref))

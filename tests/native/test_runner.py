@@ -41,7 +41,7 @@ def test_help_lists_every_default(native_bins):
         assert default in proc.stdout
 
 
-@pytest.mark.parametrize("name", ["tiny_last", "tiny_full", "tiny_8da4w"])
+@pytest.mark.parametrize("name", ["tiny_last", "tiny_8da4w"])
 def test_greedy_matches_python_runtime(name, native_bins, tiny_programs, reference):
     # 26 prompt ids > chunk 16: exercises chunked prefill.
     assert len(reference["prompt_ids"]) > CHUNK
@@ -57,7 +57,23 @@ def test_greedy_matches_python_runtime(name, native_bins, tiny_programs, referen
     else:
         assert gen == ref
     assert stats["recipe_hash"] == "tiny-test-recipe"
-    assert stats["logits_mode"] == ("full" if name == "tiny_full" else "last")
+    assert stats["logits_mode"] == "last"  # 'full' and 'selected': see the counter programs
+
+
+@pytest.mark.parametrize("name", ["counter_half_full", "counter_bf16_last", "counter_fp32_selected"])
+def test_logits_dtypes_modes_and_eos(name, native_bins, tiny_programs):
+    # 11 prompt ids > chunk 8; next token = last + 1; EOS 60 ends the turn (and is reported)
+    prompt = list(range(50, 58)) + [40, 41, 42]
+    proc = runner(native_bins, "--pte", tiny_programs / f"{name}.pte", "--prompt-ids", ids_arg(prompt),
+                  "--max-new-tokens", 40)
+    assert proc.returncode == 0, proc.stderr
+    (stats,) = stats_lines(proc)
+    assert stats["generated_ids"] == list(range(43, 61))
+    assert stats["stop_reason"] == "stop_token"
+    assert stats["logits_dtype"] == {"half": "Half", "bf16": "BFloat16", "fp32": "Float"}[name.split("_")[1]]
+    assert stats["logits_mode"] == name.split("_")[2]
+    assert stats["recipe_hash"] == "12345"  # an Int constant, printed as text
+    assert "recipe_hash 12345" in proc.stderr
 
 
 def test_quantized_program_uses_quantized_kernels(tiny_programs):
