@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.offgraph import OffgraphLM
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # ExecuTorch ScalarType codes, published as get_activation_dtype
 SCALAR_TYPE_CODES = {"fp16": 5, "fp32": 6, "bf16": 15}
@@ -72,7 +74,7 @@ class StaticCacheLM(nn.Module):
             layer.cumulative_length.zero_()
 
 
-WRAPPERS = {"static": StaticCacheLM}
+WRAPPERS = {"static": StaticCacheLM, "offgraph": OffgraphLM}
 
 
 def wrap(model: nn.Module, mode: str, max_context_len: int, logits_mode: str) -> nn.Module:

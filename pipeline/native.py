@@ -23,6 +23,8 @@ NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
 BUILD_DIR = NATIVE_DIR / "build"
 RUNNER = BUILD_DIR / "llm_runner"
 TOKENIZER_CLI = BUILD_DIR / "tokenizer_cli"
+# llmpipe::update_and_attend.out + the off-graph cache C API, for the Python runtime (ctypes)
+KERNELS_LIB = BUILD_DIR / "libllmpipe_kernels.so"
 
 
 class NativeError(RuntimeError):
@@ -61,7 +63,7 @@ def build_native(force: bool = False) -> Path:
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     with open(BUILD_DIR / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if force or _stale(RUNNER) or _stale(TOKENIZER_CLI):
+        if force or _stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(KERNELS_LIB):
             env = dict(os.environ, PYTHON=sys.executable)
             proc = subprocess.run(["bash", str(NATIVE_DIR / "build.sh")], capture_output=True,
                                   text=True, env=env)
@@ -69,7 +71,7 @@ def build_native(force: bool = False) -> Path:
                 tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
                 raise NativeBuildError(f"native build failed (native/build.sh):\n{tail}")
             # ninja does not touch up-to-date outputs: mark them fresh for _stale().
-            for binary in (RUNNER, TOKENIZER_CLI):
+            for binary in (RUNNER, TOKENIZER_CLI, KERNELS_LIB):
                 if binary.exists():
                     binary.touch()
     return RUNNER
@@ -82,6 +84,19 @@ def runner_path(build: bool = True) -> Path:
     if not RUNNER.exists():
         raise NativeBuildError(f"{RUNNER} does not exist (run: python -m pipeline.native path)")
     return RUNNER
+
+
+def kernels_library_path(build: bool = True) -> Path:
+    """native/build/libllmpipe_kernels.so (the off-graph kernel + cache C API), built if needed.
+
+    Load it with ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL) before loading an offgraph program's
+    `forward` in the ExecuTorch Python runtime (pipeline.offgraph.load_native_kernels does that).
+    """
+    if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(KERNELS_LIB)):
+        build_native()
+    if not KERNELS_LIB.exists():
+        raise NativeBuildError(f"{KERNELS_LIB} does not exist (run: python -m pipeline.native build)")
+    return KERNELS_LIB
 
 
 def tokenizer_cli_path(build: bool = True) -> Path:

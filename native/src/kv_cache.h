@@ -1,14 +1,19 @@
 // Who owns the KV cache.
 //
-// Today every program keeps its cache inside the .pte as mutable buffers
+// In-graph programs keep their cache inside the .pte as mutable buffers
 // (InGraphCache): the runner only tracks the logical length so that turns can be
-// admitted, rewound (/undo) and reset. An off-graph owner (future --kv-* flags)
-// implements the same interface, holds the storage itself, and gets bind()
-// before each forward so it can hand its buffers to the program.
+// admitted, rewound (/undo) and reset. Off-graph programs (`cache.mode=offgraph`,
+// selected with --kv-max-capacity) get an OffgraphCacheOwner: it holds the
+// storage (offgraph_cache.h) and bind() makes it the process's bound cache,
+// which the llmpipe::update_and_attend.out kernel reads.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "offgraph_cache.h"
 
 namespace llmrt {
 
@@ -69,6 +74,35 @@ class InGraphCache final : public KvCacheOwner {
  private:
   int64_t capacity_;
   int64_t length_ = 0;
+};
+
+// The runtime owns the cache; the program's attention layers reach it through
+// the global binding (see offgraph_cache.h).
+class OffgraphCacheOwner final : public KvCacheOwner {
+ public:
+  OffgraphCacheOwner(std::vector<offgraph::LayerSpec> specs, int64_t capacity, int64_t max_write,
+                     int64_t initial, int dtype_code)
+      : cache_(std::move(specs), capacity, max_write, initial, dtype_code) {}
+  ~OffgraphCacheOwner() override {
+    if (offgraph::bound_cache() == &cache_) offgraph::bind_cache(nullptr);
+  }
+  const char* kind() const override { return "off-graph"; }
+  int64_t capacity() const override { return cache_.capacity(); }
+  int64_t length() const override { return cache_.length(); }
+  bool bind(int64_t pos, int64_t n, std::string* why) override {
+    if (!cache_.check_step(pos, n, why)) return false;
+    offgraph::set_last_error("");
+    offgraph::bind_cache(&cache_);
+    return true;
+  }
+  void commit(int64_t pos, int64_t n) override { cache_.commit(pos, n); }
+  bool rewind(int64_t pos, std::string* why) override { return cache_.rewind(pos, why); }
+  void reset() override { cache_.reset(); }
+  std::string describe() const override { return cache_.describe(); }
+  const offgraph::OffgraphKvCache& cache() const { return cache_; }
+
+ private:
+  offgraph::OffgraphKvCache cache_;
 };
 
 }  // namespace llmrt

@@ -10,6 +10,8 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
 
+#include "offgraph_cache.h"
+
 namespace llmrt {
 
 using executorch::aten::ScalarType;
@@ -166,6 +168,59 @@ int64_t LlmProgram::read_int(const std::string& method, bool required, int64_t f
   return v;
 }
 
+std::vector<int64_t> LlmProgram::read_int_list(const std::string& method) {
+  auto names = module_->method_names();
+  if (!names.ok() || names->count(method) == 0)
+    throw ProgramError("the program has no constant method '" + method +
+                       "' (required for the off-graph KV cache; re-export with cache.mode=offgraph)");
+  auto r = module_->execute(method);
+  if (!r.ok()) throw ProgramError("running constant method '" + method + "' failed: " + err_text(r.error()));
+  std::vector<int64_t> out;
+  for (const EValue& v : *r) {
+    if (v.isTensor() && v.toTensor().scalar_type() == ScalarType::Long) {
+      const auto& t = v.toTensor();
+      for (ssize_t i = 0; i < t.numel(); ++i) out.push_back(t.const_data_ptr<int64_t>()[i]);
+    } else if (v.isTensor() && v.toTensor().scalar_type() == ScalarType::Int) {
+      const auto& t = v.toTensor();
+      for (ssize_t i = 0; i < t.numel(); ++i) out.push_back(t.const_data_ptr<int32_t>()[i]);
+    } else if (v.isIntList()) {
+      for (int64_t x : v.toIntList()) out.push_back(x);
+    } else {
+      int64_t x;
+      if (!evalue_int(v, &x))
+        throw ProgramError("constant method '" + method + "' returned a non-integer value (" +
+                           evalue_text(v) + ")");
+      out.push_back(x);
+    }
+  }
+  return out;
+}
+
+LlmProgram::CacheGeometry LlmProgram::cache_geometry() {
+  CacheGeometry g;
+  g.n_caches = read_int("get_n_caches", true, 0);
+  if (g.n_caches <= 0)
+    throw ProgramError("constant method 'get_n_caches' returned " + std::to_string(g.n_caches) +
+                       " (must be positive)");
+  auto list = [&](const char* m, bool positive) {
+    std::vector<int64_t> v = read_int_list(m);
+    if (static_cast<int64_t>(v.size()) != g.n_caches)
+      throw ProgramError(std::string("constant method '") + m + "' has " + std::to_string(v.size()) +
+                         " entries for " + std::to_string(g.n_caches) + " caches");
+    for (int64_t x : v)
+      if (positive ? x <= 0 : x < 0)
+        throw ProgramError(std::string("constant method '") + m + "' returned " + std::to_string(x) +
+                           (positive ? " (must be positive)" : " (must be >= 0)"));
+    return v;
+  };
+  g.kv_heads = list("get_kv_heads", true);
+  g.head_dims = list("get_head_dims", true);
+  auto names = module_->method_names();
+  g.v_dims = names.ok() && names->count("get_v_head_dims") ? list("get_v_head_dims", true) : g.head_dims;
+  g.windows = list("get_windows", false);
+  return g;
+}
+
 LlmProgram::LlmProgram(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0)
@@ -256,6 +311,8 @@ LlmProgram::LlmProgram(const std::string& path) {
     if (!tm.ok() || tm->scalar_type() != ScalarType::Long)
       throw ProgramError("'forward' input " + std::to_string(i) + " is not a Long tensor");
   }
+  info_.offgraph = names->count("get_n_caches") > 0;
+  position_limit_ = info_.max_context_len;
   e = module_->load_method("forward");
   if (e != Error::Ok)
     throw ProgramError("cannot load method 'forward': " + err_text(e) +
@@ -270,9 +327,9 @@ const std::vector<float>& LlmProgram::forward(const int64_t* tokens, int64_t n, 
   if (n < 1 || n > info_.max_seq_len)
     throw ProgramError("forward called with " + std::to_string(n) + " tokens (must be 1.." +
                        std::to_string(info_.max_seq_len) + ")");
-  if (pos < 0 || pos + n > info_.max_context_len)
+  if (pos < 0 || pos + n > position_limit_)
     throw ProgramError("positions [" + std::to_string(pos) + ", " + std::to_string(pos + n) +
-                       ") exceed the context of " + std::to_string(info_.max_context_len));
+                       ") exceed the context of " + std::to_string(position_limit_));
   for (int64_t i = 0; i < n; ++i) {
     tok_buf_[i] = tokens[i];
     pos_buf_[i] = pos + i;
@@ -287,7 +344,10 @@ const std::vector<float>& LlmProgram::forward(const int64_t* tokens, int64_t n, 
     inputs.emplace_back(*t_rows);
   }
   auto r = module_->execute("forward", inputs);
-  if (!r.ok()) throw ProgramError("forward failed: " + err_text(r.error()));
+  if (!r.ok()) {
+    std::string detail = info_.offgraph ? offgraph::last_error() : std::string();
+    throw ProgramError("forward failed: " + err_text(r.error()) + (detail.empty() ? "" : ": " + detail));
+  }
   if (r->empty() || !(*r)[0].isTensor()) throw ProgramError("forward did not return a logits tensor");
   const auto& out = (*r)[0].toTensor();
   if (out.dim() < 1) throw ProgramError("forward returned a 0-d tensor");

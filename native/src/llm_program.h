@@ -31,6 +31,7 @@ struct ProgramInfo {
   bool has_recipe_hash = false;
   std::string recipe_hash;      // get_recipe_hash, rendered as text
   int forward_inputs = 2;
+  bool offgraph = false;        // has get_n_caches: the KV cache lives outside the program
   std::string logits_dtype;     // of the first forward output, once seen
 };
 
@@ -46,12 +47,27 @@ class LlmProgram {
 
   const ProgramInfo& info() const { return info_; }
 
+  // Off-graph cache geometry (get_n_caches, get_kv_heads, get_head_dims,
+  // optional get_v_head_dims, get_windows). Throws ProgramError naming a
+  // missing or invalid method.
+  struct CacheGeometry {
+    int64_t n_caches = 0;
+    std::vector<int64_t> kv_heads, head_dims, v_dims, windows;
+  };
+  CacheGeometry cache_geometry();
+
+  // Positions forward accepts: [0, limit). Defaults to get_max_context_len; an
+  // off-graph run sets it to its cache capacity.
+  void set_position_limit(int64_t limit) { position_limit_ = limit; }
+
   // Runs forward over n tokens at positions [pos, pos + n), 1 <= n <= max_seq_len,
   // and returns the logits of the last row as floats (vocab_size entries).
   const std::vector<float>& forward(const int64_t* tokens, int64_t n, int64_t pos);
 
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);
+  std::vector<int64_t> read_int_list(const std::string& method);
+  int64_t position_limit_ = 0;
   std::unique_ptr<executorch::extension::module::Module> module_;
   ProgramInfo info_;
   std::vector<int64_t> tok_buf_, pos_buf_, rows_buf_;

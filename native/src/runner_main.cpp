@@ -73,6 +73,12 @@ struct Options {
   uint64_t seed = 42;
   bool warmup = false, interactive = false, encode = false, quiet = false;
   int64_t threads = 0;
+  // off-graph KV cache (programs exported with cache.mode=offgraph)
+  int64_t kv_max_capacity = 0;  // 0 = in-graph program
+  int64_t kv_initial_capacity = 512;
+  std::string kv_storage_dtype;  // empty = the program's activation dtype
+  std::string kv_windows;        // empty = the program's get_windows
+  bool kv_flags = false;         // any --kv-* flag other than --kv-max-capacity given
 };
 
 void print_help() {
@@ -105,6 +111,14 @@ void print_help() {
       "  --threads N           XNNPACK/ExecuTorch thread-pool size, 0 = runtime default\n"
       "                        (default: %lld)\n"
       "  --quiet               do not stream the text to stdout (default: off)\n"
+      "  --kv-max-capacity N   off-graph KV cache of N positions, for programs exported with\n"
+      "                        cache.mode=offgraph; 0 = the program keeps its cache (in-graph)\n"
+      "                        (default: %lld)\n"
+      "  --kv-initial-capacity N  positions first allocated per flat layer; doubles on demand\n"
+      "                        up to --kv-max-capacity (default: %lld)\n"
+      "  --kv-storage-dtype T  fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
+      "  --kv-windows LIST     comma list of windows repeated over the caches, 0 = flat\n"
+      "                        (full attention), e.g. 512,0 (default: the program's get_windows)\n"
       "  --help                this text\n"
       "\n"
       "Output: the generated text streams to stdout; the report goes to stderr and ends with\n"
@@ -112,7 +126,8 @@ void print_help() {
       "timings, memory). Exit code 0 on success, 1 on errors, 2 on bad usage.\n",
       d.chat.c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
-      static_cast<long long>(d.threads));
+      static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
+      static_cast<long long>(d.kv_initial_capacity));
 }
 
 int64_t parse_int(const std::string& flag, const std::string& v) {
@@ -191,6 +206,24 @@ Options parse_args(int argc, char** argv, bool* help) {
     else if (a == "--seed") o.seed = static_cast<uint64_t>(parse_int(a, value()));
     else if (a == "--stats-json") o.stats_json = value();
     else if (a == "--threads") o.threads = parse_int(a, value());
+    else if (a == "--kv-max-capacity") o.kv_max_capacity = parse_int(a, value());
+    else if (a == "--kv-initial-capacity") {
+      o.kv_initial_capacity = parse_int(a, value());
+      o.kv_flags = true;
+    } else if (a == "--kv-storage-dtype") {
+      o.kv_storage_dtype = value();
+      o.kv_flags = true;
+      if (offgraph::parse_dtype(o.kv_storage_dtype) < 0)
+        throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + o.kv_storage_dtype + "'");
+    } else if (a == "--kv-windows") {
+      o.kv_windows = value();
+      o.kv_flags = true;
+      try {
+        offgraph::parse_windows(o.kv_windows);
+      } catch (const std::invalid_argument& e) {
+        throw UsageError(e.what());
+      }
+    }
     else if (a == "--warmup") { flag(); o.warmup = true; }
     else if (a == "--interactive") { flag(); o.interactive = true; }
     else if (a == "--encode") { flag(); o.encode = true; }
@@ -202,6 +235,11 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (!(o.top_p > 0.0 && o.top_p <= 1.0)) throw UsageError("--top-p must be in (0, 1]");
   if (o.top_k < 0) throw UsageError("--top-k must be >= 0");
   if (o.threads < 0) throw UsageError("--threads must be >= 0");
+  if (o.kv_max_capacity < 0) throw UsageError("--kv-max-capacity must be >= 0 (0 = in-graph program)");
+  if (o.kv_initial_capacity < 1)
+    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(o.kv_initial_capacity));
+  if (o.kv_flags && o.kv_max_capacity == 0)
+    throw UsageError("--kv-initial-capacity, --kv-storage-dtype and --kv-windows need --kv-max-capacity");
   if (o.has_prompt && o.has_prompt_ids) throw UsageError("give --prompt or --prompt-ids, not both");
   if (o.encode) {
     if (o.tokenizer.empty()) throw UsageError("--encode needs --tokenizer");
@@ -244,16 +282,16 @@ struct TurnResult {
 
 class Runner {
  public:
-  Runner(const Options& o, LlmProgram& prog, KvCacheOwner& cache, const Tokenizer* tok)
+  Runner(const Options& o, LlmProgram& prog, KvCacheOwner& cache, const Tokenizer* tok, int64_t chunk)
       : o_(o), prog_(prog), cache_(cache), tok_(tok),
-        sampler_(o.temperature, o.top_p, o.top_k, o.seed) {}
+        sampler_(o.temperature, o.top_p, o.top_k, o.seed), chunk_(chunk) {}
 
   void add_stop(int64_t id) { stops_.insert(id); }
   const std::unordered_set<int64_t>& stops() const { return stops_; }
 
   // Feeds ids in chunks of max_seq_len; returns the last logits.
   const std::vector<float>& feed(const std::vector<int64_t>& ids) {
-    const int64_t chunk = prog_.info().max_seq_len;
+    const int64_t chunk = chunk_;
     const std::vector<float>* logits = nullptr;
     for (size_t i = 0; i < ids.size(); i += chunk) {
       int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(ids.size() - i));
@@ -267,10 +305,10 @@ class Runner {
   }
 
   void warmup() {
-    int64_t n = std::min<int64_t>(prog_.info().max_seq_len, prog_.info().max_context_len - 1);
+    int64_t n = std::min<int64_t>(chunk_, cache_.capacity() - 1);
     std::vector<int64_t> ids(std::max<int64_t>(n, 1), prog_.info().bos_id);
     feed(ids);
-    if (cache_.length() < prog_.info().max_context_len) feed({prog_.info().bos_id});
+    if (cache_.length() < cache_.capacity()) feed({prog_.info().bos_id});
     cache_.reset();
   }
 
@@ -280,7 +318,7 @@ class Runner {
     if (pending >= 0) ids.insert(ids.begin(), pending);
     r.prompt_ids = ids;
     const int64_t V = prog_.info().vocab_size;
-    const int64_t ctx = prog_.info().max_context_len;
+    const int64_t ctx = cache_.capacity();
     auto t0 = Clock::now();
     const std::vector<float>& first_logits = feed(ids);
     r.prefill_ms = ms_since(t0);
@@ -348,6 +386,7 @@ class Runner {
   const Tokenizer* tok_;
   Sampler sampler_;
   std::unordered_set<int64_t> stops_;
+  int64_t chunk_;
 };
 
 struct LoadInfo {
@@ -493,12 +532,43 @@ int run(const Options& o) {
   if (tok)
     std::fprintf(stderr, "[tokenizer] %s | %lld ids | loaded in %.1f ms\n", o.tokenizer.c_str(),
                  static_cast<long long>(tok->vocab_size()), li.tokenizer_ms);
-  InGraphCache cache(info.max_context_len);
+  std::unique_ptr<KvCacheOwner> cache_owner;
+  int64_t chunk = info.max_seq_len;
+  if (o.kv_max_capacity > 0) {
+    if (!info.offgraph)
+      throw ProgramError("--kv-max-capacity selects the off-graph KV cache, but this program keeps its "
+                         "cache in the graph (no constant method 'get_n_caches'); drop --kv-* flags");
+    LlmProgram::CacheGeometry g = prog.cache_geometry();
+    std::vector<int64_t> windows = g.windows;
+    if (!o.kv_windows.empty()) {
+      std::vector<int64_t> pat = offgraph::parse_windows(o.kv_windows);
+      for (int64_t l = 0; l < g.n_caches; ++l) windows[l] = pat[l % pat.size()];
+    }
+    std::vector<offgraph::LayerSpec> specs;
+    for (int64_t l = 0; l < g.n_caches; ++l) {
+      specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
+      if (windows[l] > 0 && windows[l] < chunk) chunk = windows[l];  // a ring holds w + chunk - 1
+    }
+    if (chunk < info.max_seq_len)
+      std::fprintf(stderr, "[cache] prefill chunk %lld -> %lld (narrowest ring window)\n",
+                   static_cast<long long>(info.max_seq_len), static_cast<long long>(chunk));
+    int dtype = o.kv_storage_dtype.empty() ? static_cast<int>(info.activation_dtype)
+                                           : offgraph::parse_dtype(o.kv_storage_dtype);
+    cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
+                                                       o.kv_initial_capacity, dtype);
+    prog.set_position_limit(o.kv_max_capacity);
+  } else {
+    if (info.offgraph)
+      throw ProgramError("this program keeps its KV cache off-graph (it has 'get_n_caches'): run it with "
+                         "--kv-max-capacity N (positions to hold)");
+    cache_owner = std::make_unique<InGraphCache>(info.max_context_len);
+  }
+  KvCacheOwner& cache = *cache_owner;
   std::fprintf(stderr, "%s\n", cache.describe().c_str());
   std::fprintf(stderr, "[memory] rss after load %.1f MiB (load %.1f ms, threads %d)\n", li.rss_load,
                li.load_ms, li.threads);
 
-  Runner runner(o, prog, cache, tok.get());
+  Runner runner(o, prog, cache, tok.get(), chunk);
   for (int64_t id : info.eos_ids) runner.add_stop(id);
   if (!tpl.raw && tok) {
     int32_t te = tok->token_to_id(tpl.turn_end);
@@ -521,10 +591,10 @@ int run(const Options& o) {
       if (id < 0 || id >= info.vocab_size)
         throw UsageError("prompt id " + std::to_string(id) + " is outside the vocabulary [0, " +
                          std::to_string(info.vocab_size) + ")");
-    if (static_cast<int64_t>(ids.size()) > info.max_context_len)
+    if (static_cast<int64_t>(ids.size()) > cache.capacity())
       throw ProgramError("the prompt has " + std::to_string(ids.size()) +
-                         " tokens but the program's context holds " +
-                         std::to_string(info.max_context_len));
+                         " tokens but the " + (info.offgraph ? "KV cache" : "program's context") +
+                         " holds " + std::to_string(cache.capacity()));
     TurnResult r = runner.run(ids, -1);
     report(o, info, li, r, cache, 0);
     return 0;

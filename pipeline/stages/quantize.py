@@ -63,7 +63,7 @@ def quantize_module(module: nn.Module, q) -> dict:
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
     retie = tied and should_retie(model, q)
-    if tied:
+    if tied and (lin != "none" or emb != "none"):
         # quantize the two separately (or re-tie below): they may need different schemes
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
     report = {"linear": lin, "embedding": emb, "tied_in_model": tied, "retied": False,

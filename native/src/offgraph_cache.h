@@ -1,0 +1,123 @@
+// The off-graph KV cache (runtime-owned) and the process-global binding the
+// llmpipe::update_and_attend.out kernel reads it through.
+//
+// Program side: an `offgraph` .pte has no cache. Each attention layer calls
+//   llmpipe::update_and_attend.out(q, k, v, position, cache_id, scale, out_dtype, out)
+// which writes this step's K/V at logical positions [pos, pos+T) of layer cache
+// `cache_id` and attends over the cached history.
+//
+// Binding (how the kernel finds its cache): ONE cache set is bound per process
+// at a time (bind_cache / bound_cache, an atomic pointer). `cache_id` is the
+// index of a layer cache in the bound set. Whoever executes the program (the
+// runner, or Python verify through the C API in offgraph_capi.cpp) binds its
+// cache before `execute` and commits the step after it succeeded:
+//   cache.check_step(pos, T)   // every layer can take the step (pure)
+//   bind_cache(&cache); method.execute(...); cache.commit(pos, T);
+// With nothing bound the kernel fails the execute with a clear error (also kept
+// in last_error()), never a crash. Executes are not concurrent within a process
+// (the binding is global, not per thread), which is how the runners work.
+//
+// Cache policy (one logical length shared by all layers):
+//   - plan(layer, pos, T) is pure; commit sets length = max(length, pos + T).
+//   - refused: pos > length (a gap), pos + T > capacity, on a ring T > max_write.
+//   - flat layer: writes [pos, pos+T), reads [0, end); its pool starts at the
+//     initial capacity and doubles on demand up to capacity (cells never move).
+//   - ring layer (window w): w + max_write - 1 slots (capped at capacity),
+//     allocated up front, slot = pos % ring; reads [max(0, pos-w+1), end)
+//     oldest to newest; writes and reads are at most two runs each.
+//   - rewind(target): target <= length and not below what the rings still hold.
+// Storage: [slot][kv_head][dim], dtype Float, Half or BFloat16 (writes cast).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llmrt::offgraph {
+
+// ExecuTorch ScalarType codes.
+constexpr int kHalf = 5, kFloat = 6, kBFloat16 = 15;
+const char* dtype_name(int code);
+int element_size(int code);  // 0 if unsupported
+
+struct LayerSpec {
+  int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
+  int64_t window = 0;  // 0 = flat (full attention)
+};
+
+struct Run {
+  int64_t slot = 0, count = 0;
+};
+
+struct Plan {
+  int layer = 0;
+  int64_t pos = 0, T = 0;
+  int64_t base = 0, end = 0;  // keys read are logical [base, end)
+  Run write[2], read[2];
+  int n_write = 0, n_read = 0;
+  int64_t span() const { return end - base; }
+};
+
+class OffgraphKvCache {
+ public:
+  // Throws std::invalid_argument on a bad geometry or non-positive sizes.
+  OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_write,
+                  int64_t initial_capacity, int dtype_code);
+
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  const LayerSpec& spec(int l) const { return layers_[l].spec; }
+  int64_t ring_slots(int l) const { return layers_[l].ring; }  // 0 = flat
+  int64_t allocated(int l) const { return layers_[l].allocated; }
+  int64_t capacity() const { return capacity_; }
+  int64_t max_write() const { return max_write_; }
+  int64_t initial_capacity() const { return initial_; }
+  int dtype() const { return dtype_; }
+  int64_t length() const { return length_; }
+
+  // Pure. False (with a reason) if the step cannot be done in this layer.
+  bool plan(int layer, int64_t pos, int64_t T, Plan* out, std::string* why) const;
+  // plan() for every layer.
+  bool check_step(int64_t pos, int64_t T, std::string* why) const;
+  void commit(int64_t pos, int64_t T);
+
+  // Grows a flat pool to hold [0, end) (doubling, up to capacity).
+  void ensure(int layer, int64_t end);
+  // Storage of physical slot `slot`: kv_heads * dim elements of dtype().
+  uint8_t* k_slot(int layer, int64_t slot);
+  uint8_t* v_slot(int layer, int64_t slot);
+
+  int64_t rewind_floor() const;
+  bool can_rewind(int64_t target, std::string* why) const;
+  bool rewind(int64_t target, std::string* why);
+  void reset() { length_ = 0; }
+
+  int64_t bytes() const;
+  // "[cache] off-graph seq | capacity=C initial=I kv_dtype=D\nN layers: F flat + R ring(window W)"
+  std::string describe() const;
+
+ private:
+  struct Layer {
+    LayerSpec spec;
+    int64_t ring = 0;       // slots of a ring layer, 0 = flat
+    int64_t allocated = 0;  // slots allocated
+    std::vector<uint8_t> k, v;
+  };
+  std::vector<Layer> layers_;
+  int64_t capacity_, max_write_, initial_;
+  int dtype_, esize_;
+  int64_t length_ = 0;
+};
+
+// The process-global binding.
+void bind_cache(OffgraphKvCache* cache);
+OffgraphKvCache* bound_cache();
+void set_last_error(const std::string& msg);
+std::string last_error();
+
+// Parses "512,0" into a pattern (layer l gets pattern[l % size], 0 = flat).
+std::vector<int64_t> parse_windows(const std::string& text);  // throws std::invalid_argument
+// "fp32"/"float32"/"float", "fp16"/"half"/"float16", "bf16"/"bfloat16" -> code; -1 if unknown.
+int parse_dtype(const std::string& text);
+
+}  // namespace llmrt::offgraph

@@ -1,0 +1,225 @@
+"""Offgraph programs in the ExecuTorch Python runtime (libllmpipe_kernels.so) and in llm_runner.
+
+- the .pte (kernel + C++ cache, loaded with ctypes RTLD_GLOBAL) equals the eager wrapper within 1e-4;
+- llm_runner --kv-max-capacity gives the same greedy tokens as the Python runtime, prints the cache
+  report, honours --kv-windows / --kv-storage-dtype / --kv-initial-capacity, and refuses mismatches.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import offgraph_tiny_export as ote
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+TOL = 1e-4
+
+
+@pytest.fixture(scope="session")
+def og_programs(native_bins) -> Path:
+    """The tiny offgraph programs, cached per export-script + op-module content and package versions."""
+    from importlib.metadata import version
+    script = HERE / "offgraph_tiny_export.py"
+    blob = script.read_bytes() + (REPO / "pipeline" / "offgraph.py").read_bytes()
+    blob += ",".join(f"{p}={version(p)}" for p in ("torch", "executorch", "transformers")).encode()
+    key = "og-" + hashlib.sha256(blob).hexdigest()[:16]
+    root = Path(os.environ.get("LLM_NATIVE_TEST_CACHE", Path.home() / ".cache" / "llm-pipeline" / "native-tests"))
+    out = root / key
+    out.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                                  timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"offgraph tiny export failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+def pte_module(og_programs, name, **kw):
+    from pipeline.offgraph import OffgraphPteModule
+    return OffgraphPteModule(og_programs / f"{name}.pte", **kw)
+
+
+def python_greedy(module, prompt, n_new):
+    """Greedy decoding through a (tokens, positions) -> logits module, prefill in steps of module.chunk."""
+    chunk = module.chunk
+    logits, pos = None, 0
+    for i in range(0, len(prompt), chunk):
+        part = prompt[i:i + chunk]
+        logits = module(torch.tensor([part]), torch.arange(pos, pos + len(part)))
+        pos += len(part)
+    out = []
+    while True:
+        tok = int(torch.argmax(logits[0, -1].float()))
+        out.append(tok)
+        if len(out) == n_new:
+            return out
+        logits = module(torch.tensor([[tok]]), torch.tensor([pos]))
+        pos += 1
+
+
+def run_runner(bins, *args, timeout=120):
+    return subprocess.run([str(bins[0]), *map(str, args)], capture_output=True, text=True, errors="replace",
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def stats(proc) -> dict:
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("STATS_JSON: ")]
+    return json.loads(line.split("STATS_JSON: ", 1)[1])
+
+
+def ids_arg(ids):
+    return ",".join(map(str, ids))
+
+
+def same_tokens(gen, ref):
+    """Runner output (a final stop token included) against a fixed-length reference."""
+    if gen and gen[-1] in ote.EOS:
+        return gen == ref[:len(gen)]
+    return gen == ref
+
+
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["og_llama", "og_gemma3"])
+def test_pte_matches_eager_wrapper(name, og_programs):
+    eager = ote.wrapped(name)
+    pte = pte_module(og_programs, name)
+    assert pte.chunk == ote.CHUNK
+    prompt = ote.PROMPT_IDS
+    steps = [prompt[i:i + ote.CHUNK] for i in range(0, len(prompt), ote.CHUNK)] + [[7], [99], [3], [64]]
+    pos = 0
+    with torch.no_grad():
+        for part in steps:
+            tokens, positions = torch.tensor([part]), torch.arange(pos, pos + len(part))
+            a, b = eager(tokens, positions), pte(tokens, positions)
+            assert a.shape == b.shape == (1, 1, ote.VOCAB)
+            assert (a - b).abs().max().item() < TOL, (name, pos)
+            pos += len(part)
+    assert pte.cache.length == eager.cache.length == pos > ote.WINDOW
+    # a rerun from position 0 is a new sequence in both
+    first = torch.tensor([prompt[:4]])
+    assert (eager(first, torch.arange(4)) - pte(first, torch.arange(4))).abs().max().item() < TOL
+
+
+def test_pte_without_bound_cache_fails_cleanly(og_programs):
+    from executorch.runtime import Runtime
+
+    from pipeline.offgraph import load_native_kernels
+    lib = load_native_kernels()
+    lib.llmpipe_cache_bind(None)
+    method = Runtime.get().load_program(str(og_programs / "og_llama.pte")).load_method("forward")
+    with pytest.raises(RuntimeError):
+        method.execute([torch.tensor([[1, 2]]), torch.arange(2)])
+    assert b"no off-graph KV cache is bound" in lib.llmpipe_last_error()
+
+
+def test_native_cache_policy():
+    from pipeline.offgraph import LayerSpec, NativeOffgraphCache, OffgraphCacheError
+    c = NativeOffgraphCache([LayerSpec(1, 4, 4, window=4), LayerSpec(1, 4, 4)], capacity=50, max_write=4,
+                            initial_capacity=3)
+    assert c.allocated(0) == 7 and c.allocated(1) == 3
+    assert "2 layers: 1 flat + 1 ring(window 4)" in c.describe()
+    c.check_step(0, 4)
+    with pytest.raises(OffgraphCacheError, match="max_write 4"):
+        c.check_step(0, 5)
+    c.commit(0, 4)
+    c.commit(4, 4)
+    c.commit(8, 4)
+    assert c.length == 12
+    with pytest.raises(OffgraphCacheError, match="lowest safe target 8"):
+        c.rewind(7)
+    c.rewind(8)
+    with pytest.raises(OffgraphCacheError, match="gap"):
+        c.check_step(9, 1)
+    flat = NativeOffgraphCache([LayerSpec(1, 4, 4)], capacity=10, max_write=16)
+    with pytest.raises(OffgraphCacheError, match=r"\[0, 11\) exceed the KV capacity 10"):
+        flat.check_step(0, 11)
+    flat.check_step(0, 10)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="initial KV capacity must be >= 1"):
+            NativeOffgraphCache([LayerSpec(1, 4, 4)], 10, 4, initial_capacity=bad)
+
+
+@pytest.mark.parametrize("name", ["og_llama", "og_gemma3"])
+def test_runner_greedy_matches_python_runtime(name, native_bins, og_programs):
+    ref = python_greedy(pte_module(og_programs, name, capacity=ote.CTX), ote.PROMPT_IDS, ote.N_NEW)
+    proc = run_runner(native_bins, "--pte", og_programs / f"{name}.pte", "--prompt-ids", ids_arg(ote.PROMPT_IDS),
+                      "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", ote.CTX, "--kv-initial-capacity", 8,
+                      "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    s = stats(proc)
+    assert same_tokens(s["generated_ids"], ref), (s["generated_ids"], ref)
+    assert s["cache_kind"] == "off-graph" and s["cache_capacity"] == ote.CTX
+    assert s["recipe_hash"] == f"offgraph-{name}"
+    assert f"[cache] off-graph seq | capacity={ote.CTX} initial=8 kv_dtype=Float" in proc.stderr
+    layers = {"og_llama": "2 layers: 2 flat", "og_gemma3": "3 layers: 1 flat + 2 ring(window 16)"}[name]
+    assert layers + "\n" in proc.stderr
+
+
+def test_runner_windows_pattern_and_bf16_storage(native_bins, og_programs):
+    # --kv-windows 4,0 over 3 caches: [4, 0, 4]; the chunk drops from 8 to 4. Policy only: the
+    # Python runtime with the same cache policy gives the same tokens.
+    ref = python_greedy(pte_module(og_programs, "og_gemma3", capacity=64, windows=[4, 0],
+                                   kv_dtype=torch.bfloat16), ote.PROMPT_IDS, ote.N_NEW)
+    proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids",
+                      ids_arg(ote.PROMPT_IDS), "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", 64,
+                      "--kv-windows", "4,0", "--kv-storage-dtype", "bf16", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "[cache] prefill chunk 8 -> 4 (narrowest ring window)" in proc.stderr
+    assert "[cache] off-graph seq | capacity=64 initial=64 kv_dtype=BFloat16" in proc.stderr
+    assert "3 layers: 1 flat + 2 ring(window 4)\n" in proc.stderr
+    assert same_tokens(stats(proc)["generated_ids"], ref)
+
+
+def test_runner_capacity_bounds(native_bins, og_programs):
+    pte = og_programs / "og_llama.pte"
+    proc = run_runner(native_bins, "--pte", pte, "--prompt-ids", ids_arg(ote.PROMPT_IDS), "--kv-max-capacity", 20)
+    assert proc.returncode == 1 and "holds 20" in proc.stderr
+    proc = run_runner(native_bins, "--pte", pte, "--prompt-ids", ids_arg(ote.PROMPT_IDS), "--kv-max-capacity", 33,
+                      "--max-new-tokens", 40, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    s = stats(proc)
+    if s["stop_reason"] != "stop_token":
+        assert s["stop_reason"] == "context_full" and s["cache_length"] == 33
+
+
+def test_runner_offgraph_program_needs_capacity(native_bins, og_programs):
+    proc = run_runner(native_bins, "--pte", og_programs / "og_llama.pte", "--prompt-ids", "1,2,3")
+    assert proc.returncode == 1
+    assert "keeps its KV cache off-graph" in proc.stderr and "--kv-max-capacity" in proc.stderr
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--kv-windows", "4,0"], "need --kv-max-capacity"),
+    (["--kv-max-capacity", "64", "--kv-initial-capacity", "0"], "--kv-initial-capacity must be >= 1"),
+    (["--kv-max-capacity", "64", "--kv-initial-capacity", "-3"], "--kv-initial-capacity must be >= 1"),
+    (["--kv-max-capacity", "64", "--kv-storage-dtype", "int8"], "expects fp32, fp16 or bf16"),
+    (["--kv-max-capacity", "64", "--kv-windows", "4,x"], "non-negative integers"),
+    (["--kv-max-capacity", "-1"], "must be >= 0"),
+])
+def test_runner_kv_flag_usage_errors(args, msg, native_bins, og_programs):
+    proc = run_runner(native_bins, "--pte", og_programs / "og_llama.pte", "--prompt-ids", "1,2", *args)
+    assert proc.returncode == 2 and msg in proc.stderr, proc.stderr
+
+
+def test_in_graph_program_refuses_kv_capacity(native_bins, tiny_programs):
+    proc = run_runner(native_bins, "--pte", tiny_programs / "tiny_last.pte", "--prompt-ids", "1,2",
+                      "--kv-max-capacity", 64)
+    assert proc.returncode == 1 and "keeps its cache in the graph" in proc.stderr
+
+
+def test_help_lists_kv_flags(native_bins):
+    out = run_runner(native_bins, "--help").stdout
+    for flag in ("--kv-max-capacity", "--kv-initial-capacity", "--kv-storage-dtype", "--kv-windows"):
+        assert flag in out
+    assert "(default: 512)" in out
