@@ -77,12 +77,15 @@ class StaticCacheLM(nn.Module):
 WRAPPERS = {"static": StaticCacheLM, "offgraph": OffgraphLM}
 
 
-def wrap(model: nn.Module, mode: str, max_context_len: int, logits_mode: str) -> nn.Module:
+def wrap(model: nn.Module, mode: str, max_context_len: int, logits_mode: str,
+         prefill_chunk: int | None = None) -> nn.Module:
     try:
         cls = WRAPPERS[mode]
     except KeyError:
         raise ValueError(f"cache.mode={mode!r}: supported: {sorted(WRAPPERS)}") from None
-    return cls(model, max_context_len, logits_mode).eval()
+    # an eager off-graph cache sizes its rings by the largest write (the chunk)
+    kw = {"prefill_chunk": prefill_chunk} if mode == "offgraph" else {}
+    return cls(model, max_context_len, logits_mode, **kw).eval()
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 LINEAR = [s.value for s in LinearScheme]
 EMBEDDING = [s.value for s in EmbeddingScheme]
-IMPLEMENTED_CACHE_MODES = {"static"}
+IMPLEMENTED_CACHE_MODES = {"static", "offgraph"}
 IMPLEMENTED_BACKENDS = {"xnnpack", "portable"}
 # (scheme, backend) pairs known to produce wrong programs, with the reason; preflight refuses them.
 # (4w/8w on xnnpack were here until pipeline/backends/xnnpack_woq.py made them correct.)

@@ -54,7 +54,7 @@ def special_ids(model_dir) -> tuple[int, list[int]]:
 def constant_methods(ctx) -> dict:
     e, g = ctx.cfg.export, ctx.geometry
     bos, eos = special_ids(ctx.inputs["download"] / "model")
-    return {
+    methods = {
         "get_max_context_len": int(e.max_context_len),
         "get_max_seq_len": int(e.prefill_chunk),
         "get_vocab_size": int(g.vocab_size),
@@ -64,6 +64,13 @@ def constant_methods(ctx) -> dict:
         "get_eos_ids": eos,
         "get_recipe_hash": ctx.build_hash,
     }
+    if v(ctx.cfg.cache.mode) == "offgraph":  # the runtime-owned cache's geometry
+        from transformers import AutoConfig
+
+        from pipeline import offgraph
+        cfg = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
+        methods.update(offgraph.constant_methods(cfg))
+    return methods
 
 
 def delegation_report(edge) -> dict:
@@ -104,6 +111,6 @@ def run(ctx) -> dict:
     with open(pte, "wb") as f:
         et.write_to_file(f)
     report["constant_methods"] = methods
-    (ctx.out / "lower.json").write_text(json.dumps(report, indent=2))
+    (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
             "non_delegated_nodes": report["non_delegated_nodes"]}

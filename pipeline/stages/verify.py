@@ -103,11 +103,24 @@ def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
     return problems
 
 
+def program_module(ctx):
+    """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context."""
+    path = ctx.inputs["lower"] / "model.pte"
+    if v(ctx.cfg.cache.mode) == "offgraph":
+        from pipeline.offgraph import OffgraphPteModule
+        return OffgraphPteModule(path, capacity=ctx.cfg.export.max_context_len)
+    return PteModule(path)
+
+
+def native_args(ctx) -> list[str]:
+    return ["--kv-max-capacity", str(ctx.cfg.export.max_context_len)] if v(ctx.cfg.cache.mode) == "offgraph" else []
+
+
 def native_check(ctx, ids: list[int], n: int, python_tokens: list[int]) -> dict:
     """Greedy through the C++ runner on the same prompt ids; returns its tokens and speed figures."""
     from pipeline import native
     stats = native.run(ctx.inputs["lower"] / "model.pte", ctx.inputs["download"] / "model" / "tokenizer.json",
-                       prompt_ids=ids, max_new_tokens=n)
+                       prompt_ids=ids, max_new_tokens=n, extra_args=native_args(ctx))
     keep = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mib")
     return {"generated_ids": list(stats["generated_ids"]), **{k: stats.get(k) for k in keep}}
 
@@ -127,7 +140,7 @@ def run(ctx) -> dict:
         eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
         eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
             torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-        pte = PteModule(ctx.inputs["lower"] / "model.pte")
+        pte = program_module(ctx)
     prompts, problems = [], []
     for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
         ids = prompt_ids(tok, text, vc.chat)

@@ -17,6 +17,7 @@ from pipeline.progress import spinner
 
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
+SOURCES = ("pipeline/offgraph.py",)  # the off-graph wrapper and op
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
 # the wrapper must reproduce HF's own forward this closely (fp32; half types get a looser bound)
 SELF_CHECK_TOL = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
@@ -32,7 +33,7 @@ def run(ctx) -> dict:
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
-    module = modeling.wrap(model, mode, e.max_context_len, logits_mode)
+    module = modeling.wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk)
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     tol = SELF_CHECK_TOL[dtype]
