@@ -22,9 +22,11 @@ import psutil
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import paths
+from pipeline.config import v
 from pipeline.errors import PipelineError, StageError
 from pipeline.stages import ORDER, STAGES, StageContext
-from pipeline.store import SCHEMA_VERSION, Store, describe_outputs, now_iso, stable_hash, write_json_atomic
+from pipeline.store import (SCHEMA_VERSION, Store, describe_outputs, now_iso, read_manifest, stable_hash,
+                            write_json_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +69,12 @@ def git_commit() -> str | None:
 
 
 def config_slice(cfg: DictConfig, keys) -> dict:
-    return {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True, enum_to_str=True)
-            if isinstance(OmegaConf.select(cfg, k), DictConfig) else _plain(OmegaConf.select(cfg, k))
-            for k in keys}
-
-
-def _plain(x):
-    return x.value if hasattr(x, "value") else x
+    out = {}
+    for k in keys:
+        node = OmegaConf.select(cfg, k)
+        out[k] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) \
+            if isinstance(node, DictConfig) else v(node)
+    return out
 
 
 class PeakRSS:
@@ -137,11 +138,11 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     store = Store(paths.project_path(cfg.run.output_dir))
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"
-    tools, bhash = tool_versions(), build_hash(cfg)
+    tools, bhash, commit = tool_versions(), build_hash(cfg), git_commit()
     manifest = {
         "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
-        "git_commit": git_commit(), "argv": sys.argv[1:], "stages": [], "status": "running",
+        "git_commit": commit, "argv": sys.argv[1:], "stages": [], "status": "running",
     }
     entries: dict[str, Path] = {}
     keys: dict[str, str] = {}
@@ -152,9 +153,11 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
                 continue
             mod = STAGES[name]
             upstream = {p: keys[p] for p in ORDER if p in keys}
+            lineage = {"config": config_slice(cfg, mod.CONFIG_KEYS), "upstream": upstream, "tools": tools,
+                       "source_rev": source_rev(mod), "git_commit": commit}
             key = stable_hash({
-                "stage": name, "version": mod.VERSION, "config": config_slice(cfg, mod.CONFIG_KEYS),
-                "upstream": upstream, "tools": tools, "source": source_rev(mod),
+                "stage": name, "version": mod.VERSION, "config": lineage["config"], "upstream": upstream,
+                "tools": tools, "source": lineage["source_rev"],
             })[:24]
             keys[name] = key
             record = {"name": name, "key": key}
@@ -165,12 +168,11 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
                 with store.lock(name, key):
                     entry = store.lookup(name, key)  # someone else may have built it meanwhile
                     if entry is None:
-                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, upstream,
-                                           tools, rdir)
+                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, lineage, rdir)
                         record["cache"] = "miss"
             record.setdefault("cache", "hit")
             record.update(seconds=round(time.perf_counter() - t0, 2), status="ok", path=str(entry))
-            stage_manifest = _read(entry)
+            stage_manifest = read_manifest(entry) or {}
             record["built_seconds"] = stage_manifest.get("seconds")
             record["peak_rss_mib"] = stage_manifest.get("peak_rss_mib")
             record["metrics"] = stage_manifest.get("metrics", {})
@@ -203,13 +205,9 @@ def _finish_manifest(manifest: dict, entries: dict) -> None:
         manifest["tokenizer"] = str(entries["download"] / "model" / "tokenizer.json")
     if "lower" in entries:
         manifest["pte"] = str(entries["lower"] / "model.pte")
-    if "verify" in entries:
-        manifest["verify"] = _read(entries["verify"]).get("metrics")
-
-
-def _read(entry: Path) -> dict:
-    from pipeline.store import read_manifest
-    return read_manifest(entry) or {}
+    verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
+    if verify:
+        manifest["verify"] = verify["metrics"]
 
 
 def _link(link: Path, target: Path) -> None:
@@ -218,15 +216,16 @@ def _link(link: Path, target: Path) -> None:
     link.symlink_to(target)
 
 
-def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, upstream, tools, rdir) -> Path:
+def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lineage, rdir) -> Path:
     tmp = store.new_temp(mod.NAME, key)
     ctx = StageContext(cfg=cfg, out=tmp, inputs=inputs, geometry=geometry, build_hash=bhash,
                        progress=cfg.run.progress)
     m = {
         "schema_version": SCHEMA_VERSION, "stage": mod.NAME, "version": mod.VERSION, "key": key,
-        "config": config_slice(cfg, mod.CONFIG_KEYS),
-        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in upstream.items()},
-        "tools": tools, "source_rev": source_rev(mod), "git_commit": git_commit(), "started": now_iso(),
+        "config": lineage["config"],
+        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in lineage["upstream"].items()},
+        "tools": lineage["tools"], "source_rev": lineage["source_rev"], "git_commit": lineage["git_commit"],
+        "started": now_iso(),
     }
     t0 = time.perf_counter()
     try:

@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from pipeline.stages import StageContext, verify
-from pipeline.paths import ROOT
 from tests.conftest import build, compose_cfg
 
 

@@ -128,13 +128,11 @@ def native_check(ctx, ids: list[int], n: int) -> dict:
 def run(ctx) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.stages.lower import special_ids
-
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
-    model_dir = ctx.inputs["download"] / "model"
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    _, eos = special_ids(model_dir)
-    eos = set(eos)
+    tok = AutoTokenizer.from_pretrained(ctx.inputs["download"] / "model")
+    # the stop set the program publishes (get_eos_ids), the same one the C++ runner uses
+    lowered = json.loads((ctx.inputs["lower"] / "lower.json").read_text())
+    eos = set(lowered["constant_methods"]["get_eos_ids"])
     quantized = json.loads((ctx.inputs["quantize"] / "quantize.json").read_text())
     with spinner("load eager references and the program", ctx.progress):
         eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
