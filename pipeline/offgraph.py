@@ -428,7 +428,6 @@ class OffgraphLM(nn.Module):
                  prefill_chunk: Optional[int] = None, windows: Optional[Sequence[int]] = None,
                  initial_capacity: int = DEFAULT_INITIAL_CAPACITY, kv_dtype: Optional[torch.dtype] = None):
         super().__init__()
-        _register_attention()
         self.model = model
         self.logits_mode = logits_mode
         cfg = model.config.get_text_config()
@@ -449,6 +448,8 @@ class OffgraphLM(nn.Module):
 
     @contextlib.contextmanager
     def _attn_impl(self):
+        # registered here, not in __init__: a module unpickled from the stage cache skips __init__
+        _register_attention()
         saved = [c._attn_implementation for c in self._attn_configs]
         for c in self._attn_configs:
             c._attn_implementation = ATTN_IMPL

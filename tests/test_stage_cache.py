@@ -115,3 +115,16 @@ def test_ctrl_c_during_a_stage_then_rerun():
         _assert_clean_rebuild(out)
     finally:
         subprocess.run(["rm", "-rf", str(ROOT / out)])
+
+
+def test_offgraph_stages_run_from_a_cached_wrap():
+    """A later process gets the wrapped module from the cache (unpickled, no __init__): export and
+    verify must still find the off-graph attention."""
+    from tests.conftest import run_cli
+    first = run_cli("recipe=tiny_llama_offgraph", "run.until=wrap", "run.progress=false")
+    assert first.returncode == 0, first.stdout + first.stderr
+    r = run_cli("recipe=tiny_llama_offgraph", "run.progress=false")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    m = json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
+    assert {s["name"]: s["cache"] for s in m["stages"]}["wrap"] == "hit"
+    assert m["verify"]["native"]["token_parity"]
