@@ -1,8 +1,7 @@
 """Loading HF models and wrapping them into the exportable runner layout.
 
 Runner layout: `forward(tokens Long[1, T], positions Long[T]) -> logits [1, R, V]` where R = 1 (logits
-mode `last`) or T (`full`), 1 <= T <= prefill chunk. Cache modes are classes in WRAPPERS; `custom` and
-`offgraph` slot in beside `static`.
+mode `last`) or T (`full`), 1 <= T <= prefill chunk. Cache modes are the classes in WRAPPERS.
 """
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.custom_cache import CustomCacheLM
 from pipeline.offgraph import OffgraphLM
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -74,7 +74,7 @@ class StaticCacheLM(nn.Module):
             layer.cumulative_length.zero_()
 
 
-WRAPPERS = {"static": StaticCacheLM, "offgraph": OffgraphLM}
+WRAPPERS = {"static": StaticCacheLM, "custom": CustomCacheLM, "offgraph": OffgraphLM}
 
 
 def wrap(model: nn.Module, mode: str, max_context_len: int, logits_mode: str,
@@ -83,8 +83,8 @@ def wrap(model: nn.Module, mode: str, max_context_len: int, logits_mode: str,
         cls = WRAPPERS[mode]
     except KeyError:
         raise ValueError(f"cache.mode={mode!r}: supported: {sorted(WRAPPERS)}") from None
-    # an eager off-graph cache sizes its rings by the largest write (the chunk)
-    kw = {"prefill_chunk": prefill_chunk} if mode == "offgraph" else {}
+    # rings are sized by the largest write (the chunk)
+    kw = {"prefill_chunk": prefill_chunk} if mode in ("custom", "offgraph") else {}
     return cls(model, max_context_len, logits_mode, **kw).eval()
 
 

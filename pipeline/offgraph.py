@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.attention import HookedAttentionLM, attend_gathered, attention_layers, check_step, ring_runs
+
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
 QUALNAME = f"{NAMESPACE}::{OP_NAME}"
@@ -64,17 +66,6 @@ class Plan:
     @property
     def span(self) -> int:
         return self.end - self.base
-
-
-def _runs(start_pos: int, count: int, ring: int | None) -> list[tuple[int, int]]:
-    if ring is None:
-        return [(start_pos, count)] if count else []
-    slot = start_pos % ring
-    first = min(count, ring - slot)
-    runs = [(slot, first)]
-    if count > first:
-        runs.append((0, count - first))
-    return runs
 
 
 class _Layer:
@@ -142,13 +133,13 @@ class OffgraphCache:
             raise OffgraphCacheError(
                 f"positions [{pos}, {end}) exceed the cache capacity {self.capacity}")
         if L.ring is None:
-            return Plan(layer, pos, T, 0, end, _runs(pos, T, None), _runs(0, end, None))
+            return Plan(layer, pos, T, 0, end, ring_runs(pos, T, None), ring_runs(0, end, None))
         if T > self.max_write:
             raise OffgraphCacheError(
                 f"a step of {T} tokens exceeds max_write {self.max_write} of ring cache {layer} "
                 f"(window {L.spec.window}, {L.ring} slots)")
         base = max(0, pos - L.spec.window + 1)
-        return Plan(layer, pos, T, base, end, _runs(pos, T, L.ring), _runs(base, end - base, L.ring))
+        return Plan(layer, pos, T, base, end, ring_runs(pos, T, L.ring), ring_runs(base, end - base, L.ring))
 
     def commit(self, pos: int, T: int) -> None:
         self.length = max(self.length, pos + T)
@@ -242,31 +233,9 @@ def bound(cache: OffgraphCache):
 # --------------------------------------------------------------------------------------------------
 # the op
 # --------------------------------------------------------------------------------------------------
-def _check_shapes(q, k, v, position):
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"{QUALNAME}: q, k, v must be 4-d [B,H,T,D], got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    B, Hq, T, D = q.shape
-    if k.shape[0] != B or v.shape[0] != B or k.shape[2] != T or v.shape[2] != T or k.shape[3] != D \
-            or v.shape[1] != k.shape[1]:
-        raise ValueError(f"{QUALNAME}: inconsistent shapes q {tuple(q.shape)} k {tuple(k.shape)} "
-                         f"v {tuple(v.shape)}")
-    if Hq % k.shape[1] != 0:
-        raise ValueError(f"{QUALNAME}: {Hq} query heads are not a multiple of {k.shape[1]} KV heads")
-    if position.numel() != T:
-        raise ValueError(f"{QUALNAME}: position has {position.numel()} entries for T={T}")
-
-
 def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float, out_dtype) -> torch.Tensor:
     """Reference semantics: write, then attend over the cached history (fp32)."""
-    _check_shapes(q, k, v, position)
-    B, Hq, T, _ = q.shape
-    if B != 1:
-        raise ValueError(f"{QUALNAME}: batch must be 1, got {B}")
-    pos_list = position.reshape(-1).tolist()
-    pos = int(pos_list[0])
-    if pos_list != list(range(pos, pos + T)):
-        raise ValueError(f"{QUALNAME}: positions must be consecutive, got {pos_list}")
+    pos, T = check_step(QUALNAME, q, k, v, position)
     spec = cache.specs[cache_id] if 0 <= cache_id < len(cache.specs) else None
     if spec is not None and (spec.kv_heads != k.shape[1] or spec.head_dim != k.shape[3]
                              or spec.v_dim != v.shape[3]):
@@ -275,18 +244,7 @@ def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float,
     plan = cache.plan(cache_id, pos, T)
     cache.write(plan, k[0], v[0])
     K, V = cache.gather(plan)                                    # [Hkv,S,D], [Hkv,S,Dv]
-    group = Hq // K.shape[0]
-    K = K.float().repeat_interleave(group, 0)
-    V = V.float().repeat_interleave(group, 0)
-    scores = torch.matmul(q[0].float(), K.transpose(1, 2)) * scale  # [Hq,T,S]
-    qpos = torch.arange(pos, pos + T).unsqueeze(1)
-    kpos = torch.arange(plan.base, plan.end).unsqueeze(0)
-    visible = kpos <= qpos
-    if spec is not None and spec.window > 0:
-        visible &= kpos > qpos - spec.window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, -1), V)              # [Hq,T,Dv]
-    return out.unsqueeze(0).to(out_dtype)
+    return attend_gathered(q, K, V, pos, plan.base, spec.window, scale, out_dtype)
 
 
 def _define() -> None:
@@ -407,16 +365,11 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    AttentionInterface.register(ATTN_IMPL, _offgraph_attention)
-
-
 def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-class OffgraphLM(nn.Module):
+class OffgraphLM(HookedAttentionLM):
     """Runner layout over an HF causal LM whose attention calls llmpipe::update_and_attend.
 
     forward(tokens Long[1,T], positions Long[T]) -> logits. Exported, the graph holds no cache. Run
@@ -424,53 +377,28 @@ class OffgraphLM(nn.Module):
     a step starts before its length (a rerun from 0 starts a new sequence) and commits after.
     """
 
+    ATTN_IMPL = ATTN_IMPL
+    attention_fn = staticmethod(_offgraph_attention)
+
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last", *,
                  prefill_chunk: Optional[int] = None, windows: Optional[Sequence[int]] = None,
                  initial_capacity: int = DEFAULT_INITIAL_CAPACITY, kv_dtype: Optional[torch.dtype] = None):
-        super().__init__()
-        self.model = model
-        self.logits_mode = logits_mode
-        cfg = model.config.get_text_config()
-        self.layout = cache_layout(cfg, windows)
-        self._attn_configs = []
-        n = 0
-        for m in model.modules():
-            if hasattr(m, "layer_idx") and hasattr(m, "o_proj"):
-                m._offgraph_cache_id = self.layout.layer_cache[m.layer_idx]
-                n += 1
-                if all(c is not m.config for c in self._attn_configs):
-                    self._attn_configs.append(m.config)
-        if n != cfg.num_hidden_layers:
-            raise NotImplementedError(f"offgraph: found {n} attention layers, expected {cfg.num_hidden_layers}")
+        super().__init__(model, logits_mode)
+        self.layout = cache_layout(model.config.get_text_config(), windows)
+        for m in attention_layers(model):
+            m._offgraph_cache_id = self.layout.layer_cache[m.layer_idx]
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = OffgraphCache(self.layout.specs, max_context_len, prefill_chunk or max_context_len,
                                    initial_capacity, dtype)
 
-    @contextlib.contextmanager
-    def _attn_impl(self):
-        # registered here, not in __init__: a module unpickled from the stage cache skips __init__
-        _register_attention()
-        saved = [c._attn_implementation for c in self._attn_configs]
-        for c in self._attn_configs:
-            c._attn_implementation = ATTN_IMPL
-        try:
-            yield
-        finally:
-            for c, s in zip(self._attn_configs, saved):
-                c._attn_implementation = s
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        keep = 1 if self.logits_mode == "last" else 0
         if _is_tracing():
-            with self._attn_impl():
-                return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
-                                  logits_to_keep=keep).logits
+            return self._logits(tokens, positions)
         pos, T = int(positions[0]), int(positions.numel())
         if pos < self.cache.length:
             self.cache.rewind(pos)
-        with self._attn_impl(), bound(self.cache):
-            logits = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
-                                logits_to_keep=keep).logits
+        with bound(self.cache):
+            logits = self._logits(tokens, positions)
         self.cache.commit(pos, T)
         return logits
 

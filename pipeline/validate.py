@@ -13,7 +13,7 @@ from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 LINEAR = [s.value for s in LinearScheme]
 EMBEDDING = [s.value for s in EmbeddingScheme]
-IMPLEMENTED_CACHE_MODES = {"static", "offgraph"}
+IMPLEMENTED_CACHE_MODES = {"static", "custom", "offgraph"}
 IMPLEMENTED_BACKENDS = {"xnnpack", "portable"}
 # (scheme, backend) pairs known to produce wrong programs, with the reason; preflight refuses them.
 # (4w/8w on xnnpack were here until pipeline/backends/xnnpack_woq.py made them correct.)
@@ -53,6 +53,9 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if mode == CacheMode.static.value and (c.custom_sdpa or c.custom_kv_cache):
         add("cache.custom_sdpa/custom_kv_cache", [c.custom_sdpa, c.custom_kv_cache],
             "the custom-op flags need cache.mode=custom")
+    if mode == CacheMode.custom.value and not (c.custom_sdpa and c.custom_kv_cache):
+        add("cache.custom_sdpa/custom_kv_cache", [c.custom_sdpa, c.custom_kv_cache],
+            "cache.mode=custom is one fused op that updates the cache and attends: both flags must be true")
     if mode not in IMPLEMENTED_CACHE_MODES:
         add("cache.mode", mode, f"not available in this build yet; available: {sorted(IMPLEMENTED_CACHE_MODES)}")
     if backend not in IMPLEMENTED_BACKENDS:

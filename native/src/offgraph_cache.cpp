@@ -9,41 +9,7 @@
 
 namespace llmrt::offgraph {
 
-const char* dtype_name(int code) {
-  switch (code) {
-    case kHalf: return "Half";
-    case kFloat: return "Float";
-    case kBFloat16: return "BFloat16";
-    default: return "?";
-  }
-}
-
-int element_size(int code) {
-  switch (code) {
-    case kHalf:
-    case kBFloat16: return 2;
-    case kFloat: return 4;
-    default: return 0;
-  }
-}
-
 namespace {
-
-int make_runs(int64_t start, int64_t count, int64_t ring, Run* runs) {
-  if (count <= 0) return 0;
-  if (ring == 0) {
-    runs[0] = {start, count};
-    return 1;
-  }
-  int64_t slot = start % ring;
-  int64_t first = std::min(count, ring - slot);
-  runs[0] = {slot, first};
-  if (count > first) {
-    runs[1] = {0, count - first};
-    return 2;
-  }
-  return 1;
-}
 
 std::string range(int64_t a, int64_t b) {
   return "[" + std::to_string(a) + ", " + std::to_string(b) + ")";
@@ -103,23 +69,11 @@ bool OffgraphKvCache::plan(int layer, int64_t pos, int64_t T, Plan* out, std::st
   if (end > capacity_)
     return fail("positions " + range(pos, end) + " exceed the KV capacity " + std::to_string(capacity_));
   const Layer& L = layers_[layer];
-  Plan p;
-  p.layer = layer;
-  p.pos = pos;
-  p.T = T;
-  p.end = end;
-  if (L.ring == 0) {
-    p.base = 0;
-  } else {
-    if (T > max_write_)
-      return fail("a step of " + std::to_string(T) + " tokens exceeds max_write " +
-                  std::to_string(max_write_) + " of ring cache " + std::to_string(layer) + " (window " +
-                  std::to_string(L.spec.window) + ", " + std::to_string(L.ring) + " slots)");
-    p.base = std::max<int64_t>(0, pos - L.spec.window + 1);
-  }
-  p.n_write = make_runs(pos, T, L.ring, p.write);
-  p.n_read = make_runs(p.base, end - p.base, L.ring, p.read);
-  if (out) *out = p;
+  if (L.ring != 0 && T > max_write_)
+    return fail("a step of " + std::to_string(T) + " tokens exceeds max_write " +
+                std::to_string(max_write_) + " of ring cache " + std::to_string(layer) + " (window " +
+                std::to_string(L.spec.window) + ", " + std::to_string(L.ring) + " slots)");
+  if (out) *out = kv::plan_step(layer, pos, T, L.spec.window, L.ring);
   return true;
 }
 
@@ -151,6 +105,11 @@ uint8_t* OffgraphKvCache::k_slot(int layer, int64_t slot) {
 uint8_t* OffgraphKvCache::v_slot(int layer, int64_t slot) {
   Layer& L = layers_[layer];
   return L.v.data() + static_cast<size_t>(slot * L.spec.kv_heads * L.spec.v_dim * esize_);
+}
+
+kv::SlotView OffgraphKvCache::view(int layer) {
+  Layer& L = layers_[layer];
+  return {L.k.data(), L.v.data(), L.spec.kv_heads, L.spec.head_dim, L.spec.v_dim, dtype_, L.spec.window};
 }
 
 int64_t OffgraphKvCache::rewind_floor() const {

@@ -34,29 +34,21 @@
 #include <string>
 #include <vector>
 
+#include "kv_attention.h"
+
 namespace llmrt::offgraph {
 
-// ExecuTorch ScalarType codes.
-constexpr int kHalf = 5, kFloat = 6, kBFloat16 = 15;
-const char* dtype_name(int code);
-int element_size(int code);  // 0 if unsupported
+using kv::dtype_name;
+using kv::element_size;
+using kv::kBFloat16;
+using kv::kFloat;
+using kv::kHalf;
+using kv::Plan;
+using kv::Run;
 
 struct LayerSpec {
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
   int64_t window = 0;  // 0 = flat (full attention)
-};
-
-struct Run {
-  int64_t slot = 0, count = 0;
-};
-
-struct Plan {
-  int layer = 0;
-  int64_t pos = 0, T = 0;
-  int64_t base = 0, end = 0;  // keys read are logical [base, end)
-  Run write[2], read[2];
-  int n_write = 0, n_read = 0;
-  int64_t span() const { return end - base; }
 };
 
 class OffgraphKvCache {
@@ -86,6 +78,8 @@ class OffgraphKvCache {
   // Storage of physical slot `slot`: kv_heads * dim elements of dtype().
   uint8_t* k_slot(int layer, int64_t slot);
   uint8_t* v_slot(int layer, int64_t slot);
+  // The layer's storage for the attention core (valid until the next ensure()).
+  kv::SlotView view(int layer);
 
   int64_t rewind_floor() const;
   bool can_rewind(int64_t target, std::string* why) const;

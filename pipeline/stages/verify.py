@@ -104,11 +104,16 @@ def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
 
 
 def program_module(ctx):
-    """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context."""
+    """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context, and
+    both cache modes with our attention ops get our kernel library."""
     path = ctx.inputs["lower"] / "model.pte"
-    if v(ctx.cfg.cache.mode) == "offgraph":
+    mode = v(ctx.cfg.cache.mode)
+    if mode == "offgraph":
         from pipeline.offgraph import OffgraphPteModule
         return OffgraphPteModule(path, capacity=ctx.cfg.export.max_context_len)
+    if mode == "custom":  # llmpipe::cached_attention.out lives in native/'s kernel library
+        from pipeline.offgraph import load_native_kernels
+        load_native_kernels()
     return PteModule(path)
 
 

@@ -1,0 +1,73 @@
+// The attention core shared by both cache modes that own their attention:
+//   - llmpipe::update_and_attend (off-graph: the runtime owns the cache, offgraph_kernel.cpp)
+//   - llmpipe::cached_attention  (custom: the cache is a mutable buffer of the program, custom_kernel.cpp)
+//
+// Both store K/V slot-major, [slot][kv_head][dim], in Float, Half or BFloat16, a layer being
+// either flat (slot = position) or a ring of `ring` slots (slot = position % ring). A step writes
+// logical positions [pos, pos+T) and reads [base, end) oldest to newest, each as at most two runs
+// of consecutive slots (a Plan). Attention runs in fp32, rows (head, query) split across the
+// ExecuTorch threadpool that XNNPACK uses too.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <executorch/runtime/core/exec_aten/exec_aten.h>
+
+namespace llmrt::kv {
+
+// ExecuTorch ScalarType codes.
+constexpr int kHalf = 5, kFloat = 6, kBFloat16 = 15;
+const char* dtype_name(int code);
+int element_size(int code);  // 0 if unsupported
+
+struct Run {
+  int64_t slot = 0, count = 0;
+};
+
+struct Plan {
+  int layer = 0;
+  int64_t pos = 0, T = 0;
+  int64_t base = 0, end = 0;  // keys read are logical [base, end)
+  Run write[2], read[2];
+  int n_write = 0, n_read = 0;
+  int64_t span() const { return end - base; }
+};
+
+// Consecutive logical positions [start, start+count) as physical runs (ring 0 = flat). Returns the number of runs.
+int make_runs(int64_t start, int64_t count, int64_t ring, Run* runs);
+
+// The plan of one step in a layer of `window` (0 = flat) and `ring` slots (0 = flat). Pure; the
+// caller has checked capacity and, on a ring, that T <= ring - window + 1.
+Plan plan_step(int layer, int64_t pos, int64_t T, int64_t window, int64_t ring);
+
+// The shapes of one step, checked: q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (float types,
+// Hq % Hkv == 0), position [T] (Long/Int, consecutive from pos), out of out_dtype.
+struct StepArgs {
+  int64_t Hq = 0, T = 0, D = 0, Hkv = 0, Dv = 0, pos = 0;
+};
+bool check_step_args(const executorch::aten::Tensor& q, const executorch::aten::Tensor& k,
+                     const executorch::aten::Tensor& v, const executorch::aten::Tensor& position,
+                     executorch::aten::ScalarType out_dtype, const executorch::aten::Tensor& out,
+                     StepArgs* args, std::string* why);
+// Resizes out to [1,Hq,T,Dv].
+bool resize_out(executorch::aten::Tensor& out, const StepArgs& a);
+
+// Where one layer's slots live.
+struct SlotView {
+  uint8_t* k = nullptr;  // slot 0 of the keys
+  uint8_t* v = nullptr;  // slot 0 of the values
+  int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
+  int dtype = kFloat;  // storage dtype code
+  int64_t window = 0;  // 0 = full attention
+};
+
+// Writes k [1,Hkv,T,D] and v [1,Hkv,T,Dv] (any float type) at the plan's write runs.
+void write_step(const SlotView& s, const Plan& p, const executorch::aten::Tensor& k,
+                const executorch::aten::Tensor& v);
+
+// out [1,Hq,T,Dv] (dtype out_code) = softmax(q K^T * scale, causal / banded mask) V over the plan's read runs.
+void attend(const SlotView& s, const Plan& p, const executorch::aten::Tensor& q, float scale, void* out,
+            int out_code);
+
+}  // namespace llmrt::kv

@@ -1,0 +1,116 @@
+"""What the `custom` and `offgraph` cache modes share: the reference attention over a gathered history,
+and the wrapper base that switches an HF model's attention to one of our ops for the duration of a call.
+
+The C++ twin of `attend_gathered` is native/src/kv_attention.cpp (one core for both modes).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def ring_runs(start_pos: int, count: int, ring: Optional[int]) -> list[tuple[int, int]]:
+    """Logical positions [start_pos, start_pos+count) as (physical slot, count) runs; ring None = flat."""
+    if ring is None:
+        return [(start_pos, count)] if count else []
+    slot = start_pos % ring
+    first = min(count, ring - slot)
+    runs = [(slot, first)]
+    if count > first:
+        runs.append((0, count - first))
+    return runs
+
+
+def check_step(op: str, q, k, v, position) -> tuple[int, int]:
+    """Shapes of one attention step (q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv], Hq % Hkv == 0,
+    position [T] consecutive); returns (pos, T)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{op}: q, k, v must be 4-d [B,H,T,D], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    B, Hq, T, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B or k.shape[2] != T or v.shape[2] != T or k.shape[3] != D \
+            or v.shape[1] != k.shape[1]:
+        raise ValueError(f"{op}: inconsistent shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)}")
+    if Hq % k.shape[1] != 0:
+        raise ValueError(f"{op}: {Hq} query heads are not a multiple of {k.shape[1]} KV heads")
+    if B != 1:
+        raise ValueError(f"{op}: batch must be 1, got {B}")
+    if position.numel() != T:
+        raise ValueError(f"{op}: position has {position.numel()} entries for T={T}")
+    pos_list = position.reshape(-1).tolist()
+    pos = int(pos_list[0])
+    if pos_list != list(range(pos, pos + T)):
+        raise ValueError(f"{op}: positions must be consecutive, got {pos_list}")
+    return pos, T
+
+
+def attend_gathered(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos: int, base: int, window: int,
+                    scale: float, out_dtype) -> torch.Tensor:
+    """q [1,Hq,T,D] at positions pos.., K [Hkv,S,D] / V [Hkv,S,Dv] at positions base..; fp32 softmax.
+
+    Key j is visible to query i iff key <= query and, with a window w > 0, key > query - w."""
+    T = q.shape[2]
+    group = q.shape[1] // K.shape[0]
+    K = K.float().repeat_interleave(group, 0)
+    V = V.float().repeat_interleave(group, 0)
+    scores = torch.matmul(q[0].float(), K.transpose(1, 2)) * scale  # [Hq,T,S]
+    qpos = torch.arange(pos, pos + T).unsqueeze(1)
+    kpos = torch.arange(base, base + K.shape[1]).unsqueeze(0)
+    visible = kpos <= qpos
+    if window > 0:
+        visible &= kpos > qpos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1), V).unsqueeze(0).to(out_dtype)  # [1,Hq,T,Dv]
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The HF attention modules (they carry layer_idx and an o_proj), checked against the config."""
+    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    n = model.config.get_text_config().num_hidden_layers
+    if len(layers) != n:
+        raise NotImplementedError(f"found {len(layers)} attention layers, expected {n}: "
+                                  "this architecture's attention is not supported by this cache mode")
+    return layers
+
+
+class HookedAttentionLM(nn.Module):
+    """Runner layout (tokens Long[1,T], positions Long[T]) -> logits over an HF causal LM whose attention
+    implementation is switched to ATTN_IMPL (an HF attention-interface function) during each call."""
+
+    ATTN_IMPL: str = ""
+
+    @staticmethod
+    def attention_fn(module, query, key, value, attention_mask, **kwargs):
+        raise NotImplementedError
+
+    def __init__(self, model: nn.Module, logits_mode: str):
+        super().__init__()
+        self.model = model
+        self.logits_mode = logits_mode
+        self._attn_configs = []
+        for m in attention_layers(model):
+            if all(c is not m.config for c in self._attn_configs):
+                self._attn_configs.append(m.config)
+
+    @contextlib.contextmanager
+    def _attn_impl(self):
+        # registered here, not in __init__: a module unpickled from the stage cache skips __init__
+        from transformers import AttentionInterface
+        AttentionInterface.register(self.ATTN_IMPL, type(self).attention_fn)
+        saved = [c._attn_implementation for c in self._attn_configs]
+        for c in self._attn_configs:
+            c._attn_implementation = self.ATTN_IMPL
+        try:
+            yield
+        finally:
+            for c, s in zip(self._attn_configs, saved):
+                c._attn_implementation = s
+
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # positions go to HF explicitly and no HF cache: HF would derive them from an empty cache
+        with self._attn_impl():
+            return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
+                              logits_to_keep=1 if self.logits_mode == "last" else 0).logits

@@ -1,0 +1,139 @@
+"""The `custom` KV-cache mode: the cache lives in the program (mutable buffers, one pair per layer) and
+each attention layer calls one fused op that updates it in place and attends.
+
+    llmpipe::cached_attention(q, k, v, k_cache!, v_cache!, position, window, scale) -> out
+
+- q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (q and k RoPE-rotated); k_cache [slots,Hkv,D],
+  v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage); position [T] consecutive.
+- window 0: a flat cache, slot = position, keys [0, pos+T). window w > 0: a ring of
+  slots = min(w + chunk - 1, max context), slot = position % slots, keys [max(0, pos-w+1), pos+T):
+  sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
+  ring must satisfy T + w - 1 <= slots (a ring as long as the context never wraps).
+- Out: [1,Hq,T,Dv] in q's dtype; attention in fp32. No expanded K/V copies (GQA is an index).
+- To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
+  buffers in the program and calls `llmpipe::cached_attention.out` in place
+  (native/src/custom_kernel.cpp, the attention core shared with the off-graph op).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pipeline.attention import HookedAttentionLM, attend_gathered, attention_layers, check_step, ring_runs
+from pipeline.offgraph import cache_layout
+
+NAMESPACE = "llmpipe"
+OP_NAME = "cached_attention"
+QUALNAME = f"{NAMESPACE}::{OP_NAME}"
+ATTN_IMPL = "llmpipe_custom"
+
+
+def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale: float) -> torch.Tensor:
+    """Reference semantics (eager): write this step into the caches in place, then attend."""
+    pos, T = check_step(QUALNAME, q, k, v, position)
+    slots = k_cache.shape[0]
+    if window < 0:
+        raise ValueError(f"{QUALNAME}: negative window {window}")
+    if window == 0 and pos + T > slots:
+        raise ValueError(f"{QUALNAME}: positions [{pos}, {pos + T}) exceed the cache's {slots} positions "
+                         "(the max context)")
+    if window > 0 and pos + T > slots and T + window - 1 > slots:  # a wrapping step must keep its window
+        raise ValueError(f"{QUALNAME}: a step of {T} tokens does not fit a ring of {slots} slots "
+                         f"with window {window}")
+    ring = slots if window > 0 else None
+    off = 0
+    for slot, n in ring_runs(pos, T, ring):
+        k_cache[slot:slot + n] = k[0, :, off:off + n].transpose(0, 1).to(k_cache.dtype)
+        v_cache[slot:slot + n] = v[0, :, off:off + n].transpose(0, 1).to(v_cache.dtype)
+        off += n
+    base = max(0, pos - window + 1) if window > 0 else 0
+    runs = ring_runs(base, pos + T - base, ring)
+    K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)  # [Hkv,S,D]
+    V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
+    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype)
+
+
+def _define() -> None:
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    args = "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, int window, " \
+           "float scale"
+    lib.define(f"{OP_NAME}({args}) -> Tensor")
+    lib.define(f"{OP_NAME}.out({args}, *, Tensor(c!) out) -> Tensor(c!)")
+
+    def eager(q, k, v, k_cache, v_cache, position, window, scale):
+        return cached_attention_ref(q, k, v, k_cache, v_cache, position, int(window), float(scale))
+
+    def eager_out(q, k, v, k_cache, v_cache, position, window, scale, *, out):
+        res = eager(q, k, v, k_cache, v_cache, position, window, scale)
+        out.resize_(res.shape)
+        return out.copy_(res)
+
+    def fake(q, k, v, k_cache, v_cache, position, window, scale):
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
+
+    def fake_out(q, k, v, k_cache, v_cache, position, window, scale, *, out):
+        return out
+
+    lib.impl(OP_NAME, eager, "CompositeExplicitAutograd")
+    lib.impl(f"{OP_NAME}.out", eager_out, "CompositeExplicitAutograd")
+    torch.library.register_fake(QUALNAME, fake, lib=lib)
+    torch.library.register_fake(f"{QUALNAME}.out", fake_out, lib=lib)
+    globals()["_LIB"] = lib  # keep the registrations alive
+
+
+if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
+    _define()
+
+
+def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise RuntimeError("custom attention needs position_ids (the wrapper passes positions[None])")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = torch.ops.llmpipe.cached_attention(query, key, value, module.k_cache, module.v_cache,
+                                             positions.reshape(-1), module.kv_window, float(scaling))
+    return out.transpose(1, 2).contiguous(), None
+
+
+class CustomCacheLM(HookedAttentionLM):
+    """Runner layout over an HF causal LM with an in-graph cache and one fused op per attention layer.
+
+    Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype) and its
+    window; sliding layers hold a ring of min(window + chunk - 1, context) slots. A step at any position
+    overwrites what follows it, so a rerun from 0 simply starts a new sequence.
+    """
+
+    ATTN_IMPL = ATTN_IMPL
+    attention_fn = staticmethod(_custom_attention)
+
+    def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last", *,
+                 prefill_chunk: Optional[int] = None):
+        super().__init__(model, logits_mode)
+        layout = cache_layout(model.config.get_text_config())
+        chunk = prefill_chunk or max_context_len
+        dtype = next(model.parameters()).dtype
+        self.slots = []
+        for m in attention_layers(model):
+            spec = layout.specs[layout.layer_cache[m.layer_idx]]
+            slots = min(spec.window + chunk - 1, max_context_len) if spec.window > 0 else max_context_len
+            m.kv_window = int(spec.window)
+            m.register_buffer("k_cache", torch.zeros(slots, spec.kv_heads, spec.head_dim, dtype=dtype),
+                              persistent=False)
+            m.register_buffer("v_cache", torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype),
+                              persistent=False)
+            self.slots.append(slots)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._logits(tokens, positions)
+
+    def cache_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(("k_cache", "v_cache")))
+
+    def reset(self) -> None:
+        for n, b in self.named_buffers():
+            if n.endswith(("k_cache", "v_cache")):
+                b.zero_()
