@@ -141,6 +141,15 @@ class Thresholds:
 
 
 @dataclass
+class RuntimeCacheConfig:
+    """How verify runs an off-graph program's runtime-owned cache (runner flags; no re-export needed)."""
+    kv_max_capacity: Optional[int] = None     # positions; null = export.max_context_len
+    kv_initial_capacity: int = 512            # flat pools start here and double up to the capacity
+    kv_windows: Optional[List[int]] = None    # pattern repeated over the caches, 0 = flat; null = the program's
+    kv_storage_dtype: Optional[DType] = None  # null = the program's activation dtype
+
+
+@dataclass
 class VerifyConfig:
     enabled: bool = True
     prompts: List[str] = field(default_factory=lambda: [
@@ -150,6 +159,7 @@ class VerifyConfig:
     chat: bool = True                         # apply the tokenizer's chat template when it has one
     native: bool = True                       # also run the C++ runner: its tokens must equal the Python runtime's
     max_new_tokens: int = 16
+    runtime: RuntimeCacheConfig = field(default_factory=RuntimeCacheConfig)
     # the .pte against the eager model with the same quantization: did export+lower preserve it?
     same_quant: Thresholds = field(default_factory=lambda: Thresholds(
         min_greedy_match=-1, max_logit_err=1e-3, min_top1=1.0, max_kld=1e-5))

@@ -87,6 +87,20 @@ if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
     _define()
 
 
+def ring_slots(window: int, chunk: int, context: int) -> int:
+    """Slots of a layer's cache: a ring of window + chunk - 1 (at most the context), or the context if flat."""
+    return min(window + chunk - 1, context) if window > 0 else context
+
+
+def constant_methods(cfg, context: int, chunk: int) -> dict:
+    """get_ring_windows / get_ring_slots (one entry per ring layer), when the model has sliding layers."""
+    rings = [s.window for s in cache_layout(cfg).specs if s.window > 0]
+    if not rings:
+        return {}
+    return {"get_ring_windows": torch.tensor(rings, dtype=torch.long),
+            "get_ring_slots": torch.tensor([ring_slots(w, chunk, context) for w in rings], dtype=torch.long)}
+
+
 def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
     positions = kwargs.get("position_ids")
@@ -119,7 +133,7 @@ class CustomCacheLM(HookedAttentionLM):
         self.slots = []
         for m in attention_layers(model):
             spec = layout.specs[layout.layer_cache[m.layer_idx]]
-            slots = min(spec.window + chunk - 1, max_context_len) if spec.window > 0 else max_context_len
+            slots = ring_slots(spec.window, chunk, max_context_len)
             m.kv_window = int(spec.window)
             m.register_buffer("k_cache", torch.zeros(slots, spec.kv_heads, spec.head_dim, dtype=dtype),
                               persistent=False)

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 TOOLS = ("torch", "executorch", "torchao", "transformers", "tokenizers", "gguf", "huggingface_hub")
 # modules every stage depends on, besides its own
-SHARED_SOURCES = ("pipeline/modeling.py", "pipeline/runtime.py", "pipeline/sources.py",
+SHARED_SOURCES = ("pipeline/modeling.py", "pipeline/attention.py", "pipeline/custom_cache.py",
+                  "pipeline/offgraph.py", "pipeline/runtime.py", "pipeline/sources.py",
                   "pipeline/geometry.py", "pipeline/tiny_tokenizer.py", "pipeline/hub.py")
 
 

@@ -76,6 +76,21 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if vc.enabled and not list(vc.prompts):
         add("verify.prompts", [], "needs at least one prompt when verify.enabled=true")
 
+    rt = vc.runtime
+    changed = [k for k, default in (("kv_max_capacity", None), ("kv_initial_capacity", 512), ("kv_windows", None),
+                                    ("kv_storage_dtype", None)) if rt[k] != default]
+    if changed and mode != CacheMode.offgraph.value:
+        add("verify.runtime." + changed[0], v(rt[changed[0]]), f"runtime cache parameters need cache.mode=offgraph "
+            f"(cache.mode={mode!r} keeps its cache in the program)")
+    if rt.kv_max_capacity is not None and not 1 <= rt.kv_max_capacity <= e.max_context_len:
+        add("verify.runtime.kv_max_capacity", rt.kv_max_capacity,
+            f"must be in [1, export.max_context_len={e.max_context_len}] (null = the max context)")
+    if rt.kv_initial_capacity < 1:
+        add("verify.runtime.kv_initial_capacity", rt.kv_initial_capacity, "must be >= 1")
+    if rt.kv_windows is not None and (not list(rt.kv_windows) or any(w < 0 for w in rt.kv_windows)):
+        add("verify.runtime.kv_windows", list(rt.kv_windows),
+            "a non-empty list of windows >= 0 (0 = flat), repeated over the caches")
+
     from pipeline.stages import ORDER
     if cfg.run.until is not None and cfg.run.until not in ORDER:
         add("run.until", cfg.run.until, f"allowed: {list(ORDER)}")

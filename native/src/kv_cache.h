@@ -8,6 +8,7 @@
 // which the llmpipe::update_and_attend.out kernel reads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -35,13 +36,22 @@ class KvCacheOwner {
   virtual void reset() = 0;
   // One line for the report.
   virtual std::string describe() const = 0;
+  // Bytes of K/V storage the runner holds (-1: inside the program, not the runner's to count).
+  virtual int64_t bytes() const { return -1; }
 };
 
 // The program owns the cache (mutable buffers); entries past the current
-// position are masked by the program, so a rewind is only bookkeeping.
+// position are masked by the program, so a rewind is bookkeeping, except that a
+// custom-mode program's ring layers (constant methods get_ring_windows /
+// get_ring_slots) only hold their last `slots` positions: a rewind must not go
+// below what they still hold (the same floor as the off-graph rings).
 class InGraphCache final : public KvCacheOwner {
  public:
-  explicit InGraphCache(int64_t capacity) : capacity_(capacity) {}
+  struct Ring {
+    int64_t window = 0, slots = 0;
+  };
+  explicit InGraphCache(int64_t capacity, std::vector<Ring> rings = {})
+      : capacity_(capacity), rings_(std::move(rings)) {}
   const char* kind() const override { return "in-graph"; }
   int64_t capacity() const override { return capacity_; }
   int64_t length() const override { return length_; }
@@ -56,6 +66,14 @@ class InGraphCache final : public KvCacheOwner {
     return true;
   }
   void commit(int64_t pos, int64_t n) override { length_ = pos + n; }
+  int64_t rewind_floor() const {
+    int64_t floor = 0;
+    for (const Ring& r : rings_) {
+      const int64_t oldest = std::max<int64_t>(0, length_ - r.slots);
+      if (oldest > 0) floor = std::max(floor, oldest + r.window - 1);
+    }
+    return floor;
+  }
   bool rewind(int64_t pos, std::string* why) override {
     if (pos < 0 || pos > length_) {
       if (why)
@@ -63,16 +81,28 @@ class InGraphCache final : public KvCacheOwner {
                ")";
       return false;
     }
+    if (pos > 0 && pos < rewind_floor()) {
+      if (why)
+        *why = "cannot rewind to " + std::to_string(pos) +
+               ": the program's ring caches no longer hold its window (lowest safe target " +
+               std::to_string(rewind_floor()) + ", or 0 to reset)";
+      return false;
+    }
     length_ = pos;
     return true;
   }
   void reset() override { length_ = 0; }
   std::string describe() const override {
-    return "[cache] in-graph (program-owned) | capacity=" + std::to_string(capacity_);
+    std::string s = "[cache] in-graph (program-owned) | capacity=" + std::to_string(capacity_);
+    if (!rings_.empty())
+      s += " | " + std::to_string(rings_.size()) + " ring layers (window " +
+           std::to_string(rings_[0].window) + ", " + std::to_string(rings_[0].slots) + " slots)";
+    return s;
   }
 
  private:
   int64_t capacity_;
+  std::vector<Ring> rings_;
   int64_t length_ = 0;
 };
 
@@ -99,6 +129,7 @@ class OffgraphCacheOwner final : public KvCacheOwner {
   bool rewind(int64_t pos, std::string* why) override { return cache_.rewind(pos, why); }
   void reset() override { cache_.reset(); }
   std::string describe() const override { return cache_.describe(); }
+  int64_t bytes() const override { return cache_.bytes(); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
 
  private:

@@ -171,8 +171,10 @@ int64_t LlmProgram::read_int(const std::string& method, bool required, int64_t f
 std::vector<int64_t> LlmProgram::read_int_list(const std::string& method) {
   auto names = module_->method_names();
   if (!names.ok() || names->count(method) == 0)
-    throw ProgramError("the program has no constant method '" + method +
-                       "' (required for the off-graph KV cache; re-export with cache.mode=offgraph)");
+    throw ProgramError("the program has no constant method '" + method + "'" +
+                       (method.rfind("get_ring", 0) == 0 ? std::string()
+                                                         : " (required for the off-graph KV cache; re-export "
+                                                           "with cache.mode=offgraph)"));
   auto r = module_->execute(method);
   if (!r.ok()) throw ProgramError("running constant method '" + method + "' failed: " + err_text(r.error()));
   std::vector<int64_t> out;
@@ -194,6 +196,11 @@ std::vector<int64_t> LlmProgram::read_int_list(const std::string& method) {
     }
   }
   return out;
+}
+
+bool LlmProgram::has_method(const std::string& name) const {
+  auto names = module_->method_names();
+  return names.ok() && names->count(name) > 0;
 }
 
 LlmProgram::CacheGeometry LlmProgram::cache_geometry() {

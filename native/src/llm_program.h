@@ -56,6 +56,10 @@ class LlmProgram {
   };
   CacheGeometry cache_geometry();
 
+  bool has_method(const std::string& name) const;
+  // An int (or int tensor / list) constant method as a list. Throws ProgramError if missing or not ints.
+  std::vector<int64_t> read_int_list(const std::string& method);
+
   // Positions forward accepts: [0, limit). Defaults to get_max_context_len; an
   // off-graph run sets it to its cache capacity.
   void set_position_limit(int64_t limit) { position_limit_ = limit; }
@@ -66,7 +70,6 @@ class LlmProgram {
 
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);
-  std::vector<int64_t> read_int_list(const std::string& method);
   int64_t position_limit_ = 0;
   std::unique_ptr<executorch::extension::module::Module> module_;
   ProgramInfo info_;

@@ -71,7 +71,7 @@ struct Options {
   double top_p = 1.0;
   int64_t top_k = 0;
   uint64_t seed = 42;
-  bool warmup = false, interactive = false, encode = false, quiet = false;
+  bool warmup = false, interactive = false, encode = false, quiet = false, ignore_eos = false;
   int64_t threads = 0;
   // off-graph KV cache (programs exported with cache.mode=offgraph)
   int64_t kv_max_capacity = 0;  // 0 = in-graph program
@@ -103,6 +103,8 @@ void print_help() {
       "  --top-k K             top-k sampling, 0 = off (default: %lld)\n"
       "  --seed S              sampling seed (default: %llu)\n"
       "  --warmup              run one untimed prefill chunk + decode step first (default: off)\n"
+      "  --ignore-eos          generate the whole budget, stop tokens included (benchmarks)\n"
+      "                        (default: off)\n"
       "  --interactive         multi-turn chat on stdin; commands: /reset, /undo [N], /quit\n"
       "                        (default: off)\n"
       "  --stats-json PATH     write the stats as one JSON line per turn (default: none)\n"
@@ -225,6 +227,7 @@ Options parse_args(int argc, char** argv, bool* help) {
       }
     }
     else if (a == "--warmup") { flag(); o.warmup = true; }
+    else if (a == "--ignore-eos") { flag(); o.ignore_eos = true; }
     else if (a == "--interactive") { flag(); o.interactive = true; }
     else if (a == "--encode") { flag(); o.encode = true; }
     else if (a == "--quiet") { flag(); o.quiet = true; }
@@ -423,6 +426,8 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["cache_kind"] = cache.kind();
   j["cache_length"] = cache.length();
   j["cache_capacity"] = cache.capacity();
+  j["cache_bytes"] = cache.bytes();
+  j["cache_report"] = cache.describe();
   j["threads"] = li.threads;
   j["max_context_len"] = info.max_context_len;
   j["max_seq_len"] = info.max_seq_len;
@@ -440,8 +445,10 @@ void report(const Options& o, const ProgramInfo& info, const LoadInfo& li, const
                "[memory] rss after load %.1f MiB | after prefill %.1f MiB | after decode %.1f MiB | "
                "peak %.1f MiB\n",
                li.rss_load, r.rss_prefill, r.rss_decode, j["peak_rss_mib"].get<double>());
-  std::fprintf(stderr, "[cache] fill %lld/%lld\n", static_cast<long long>(cache.length()),
+  std::fprintf(stderr, "[cache] fill %lld/%lld", static_cast<long long>(cache.length()),
                static_cast<long long>(cache.capacity()));
+  if (cache.bytes() >= 0) std::fprintf(stderr, " | K/V storage %.1f KiB", cache.bytes() / 1024.0);
+  std::fprintf(stderr, "\n");
   std::fprintf(stderr,
                "[stats] prompt %zu tok | generated %zu tok (%s) | load %.1f ms (tokenizer %.1f ms) | "
                "ttft %.1f ms | prefill %.1f tok/s | decode %.1f tok/s | sampling %.2f ms\n",
@@ -561,7 +568,13 @@ int run(const Options& o) {
     if (info.offgraph)
       throw ProgramError("this program keeps its KV cache off-graph (it has 'get_n_caches'): run it with "
                          "--kv-max-capacity N (positions to hold)");
-    cache_owner = std::make_unique<InGraphCache>(info.max_context_len);
+    std::vector<InGraphCache::Ring> rings;
+    if (prog.has_method("get_ring_slots")) {  // a custom-mode program with sliding-window rings
+      std::vector<int64_t> w = prog.read_int_list("get_ring_windows"), s = prog.read_int_list("get_ring_slots");
+      if (w.size() != s.size()) throw ProgramError("get_ring_windows and get_ring_slots differ in length");
+      for (size_t l = 0; l < w.size(); ++l) rings.push_back({w[l], s[l]});
+    }
+    cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings));
   }
   KvCacheOwner& cache = *cache_owner;
   std::fprintf(stderr, "%s\n", cache.describe().c_str());
@@ -569,8 +582,9 @@ int run(const Options& o) {
                li.load_ms, li.threads);
 
   Runner runner(o, prog, cache, tok.get(), chunk);
-  for (int64_t id : info.eos_ids) runner.add_stop(id);
-  if (!tpl.raw && tok) {
+  for (int64_t id : info.eos_ids)
+    if (!o.ignore_eos) runner.add_stop(id);
+  if (!tpl.raw && tok && !o.ignore_eos) {
     int32_t te = tok->token_to_id(tpl.turn_end);
     if (te >= 0) runner.add_stop(te);
     else

@@ -64,12 +64,16 @@ def constant_methods(ctx) -> dict:
         "get_eos_ids": eos,
         "get_recipe_hash": ctx.build_hash,
     }
-    if v(ctx.cfg.cache.mode) == "offgraph":  # the runtime-owned cache's geometry
+    mode = v(ctx.cfg.cache.mode)
+    if mode in ("offgraph", "custom"):
         from transformers import AutoConfig
 
-        from pipeline import offgraph
+        from pipeline import custom_cache, offgraph
         cfg = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
-        methods.update(offgraph.constant_methods(cfg))
+        if mode == "offgraph":  # the runtime-owned cache's geometry
+            methods.update(offgraph.constant_methods(cfg))
+        else:  # the in-graph rings, so that a runner refuses rewinds below what they hold
+            methods.update(custom_cache.constant_methods(cfg, e.max_context_len, e.prefill_chunk))
     return methods
 
 

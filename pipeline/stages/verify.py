@@ -110,7 +110,11 @@ def program_module(ctx):
     mode = v(ctx.cfg.cache.mode)
     if mode == "offgraph":
         from pipeline.offgraph import OffgraphPteModule
-        return OffgraphPteModule(path, capacity=ctx.cfg.export.max_context_len)
+        rt = ctx.cfg.verify.runtime
+        dtype = modeling.DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None
+        return OffgraphPteModule(path, capacity=rt.kv_max_capacity or ctx.cfg.export.max_context_len,
+                                 initial_capacity=rt.kv_initial_capacity, kv_dtype=dtype,
+                                 windows=list(rt.kv_windows) if rt.kv_windows is not None else None)
     if mode == "custom":  # llmpipe::cached_attention.out lives in native/'s kernel library
         from pipeline.offgraph import load_native_kernels
         load_native_kernels()
@@ -118,7 +122,17 @@ def program_module(ctx):
 
 
 def native_args(ctx) -> list[str]:
-    return ["--kv-max-capacity", str(ctx.cfg.export.max_context_len)] if v(ctx.cfg.cache.mode) == "offgraph" else []
+    """The runner flags of verify.runtime (off-graph programs only)."""
+    if v(ctx.cfg.cache.mode) != "offgraph":
+        return []
+    rt = ctx.cfg.verify.runtime
+    args = ["--kv-max-capacity", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
+            "--kv-initial-capacity", str(rt.kv_initial_capacity)]
+    if rt.kv_windows is not None:
+        args += ["--kv-windows", ",".join(str(w) for w in rt.kv_windows)]
+    if rt.kv_storage_dtype is not None:
+        args += ["--kv-storage-dtype", v(rt.kv_storage_dtype)]
+    return args
 
 
 def native_check(ctx, ids: list[int], n: int) -> dict:
@@ -126,7 +140,7 @@ def native_check(ctx, ids: list[int], n: int) -> dict:
     from pipeline import native
     stats = native.run(ctx.inputs["lower"] / "model.pte", ctx.inputs["download"] / "model" / "tokenizer.json",
                        prompt_ids=ids, max_new_tokens=n, extra_args=native_args(ctx))
-    keep = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mib")
+    keep = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mib", "cache_report", "cache_bytes")
     return {"generated_ids": list(stats["generated_ids"]), **{k: stats.get(k) for k in keep}}
 
 
@@ -195,6 +209,8 @@ def run(ctx) -> dict:
             "prefill_tok_s": _median([r["prefill_tok_s"] for r in runs]),
             "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
             "peak_rss_mib": max((r["peak_rss_mib"] or 0) for r in runs),
+            "cache_report": runs[0].get("cache_report"),
+            "cache_bytes": max((r.get("cache_bytes") or -1) for r in runs),
         }
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))

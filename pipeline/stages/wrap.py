@@ -17,7 +17,6 @@ from pipeline.progress import spinner
 
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
-SOURCES = ("pipeline/offgraph.py",)  # the off-graph wrapper and op
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
 # the wrapper must reproduce HF's own forward this closely (fp32; half types get a looser bound)
 SELF_CHECK_TOL = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}

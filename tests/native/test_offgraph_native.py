@@ -269,3 +269,45 @@ def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
         assert (got.float() - want.float()).abs().max().item() < tol, (dtype, pos)
         pos += n
     native.unbind()
+
+
+@pytest.mark.parametrize("dtype,esize", [("fp32", 4), ("bf16", 2)])
+def test_runner_ring_memory_equals_formula(dtype, esize, native_bins, og_programs):
+    """og_gemma3: 2 ring layers hold window 16 + chunk 8 - 1 = 23 slots each, the flat layer grows
+    from 8 by doubling to cover the sequence; 1 KV head, K and V of 16 dims each."""
+    proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids", ids_arg(ote.PROMPT_IDS),
+                      "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", ote.CTX, "--kv-initial-capacity", 8,
+                      "--kv-storage-dtype", dtype, "--ignore-eos", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    s = stats(proc)
+    assert len(s["generated_ids"]) == ote.N_NEW  # --ignore-eos: the whole budget
+    flat = 8
+    while flat < s["cache_length"]:
+        flat *= 2
+    assert s["cache_length"] > 2 * ote.WINDOW and flat == 64  # the rings wrapped, the pool doubled 3 times
+    assert s["cache_bytes"] == (2 * (ote.WINDOW + ote.CHUNK - 1) + min(flat, ote.CTX)) * 1 * (16 + 16) * esize
+    assert f"K/V storage {s['cache_bytes'] / 1024:.1f} KiB" in proc.stderr
+    assert s["cache_report"].startswith(f"[cache] off-graph seq | capacity={ote.CTX} initial=8")
+
+
+def test_runner_all_flat_matches_eager_within_the_window(native_bins, og_programs):
+    """--kv-windows 0 makes every layer flat (full attention): within the sliding window that is the
+    same model, so the tokens equal the eager wrapper's; past it they may not (and that is right)."""
+    prompt, n_new = ote.PROMPT_IDS[:8], ote.WINDOW - 8  # the whole sequence stays inside the window
+    eager = ote.wrapped("og_gemma3")
+    ref = python_greedy(_Chunked(eager, ote.CHUNK), prompt, n_new)
+    proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids", ids_arg(prompt),
+                      "--max-new-tokens", n_new, "--kv-max-capacity", ote.CTX, "--kv-windows", "0",
+                      "--ignore-eos", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "3 layers: 3 flat\n" in proc.stderr
+    assert stats(proc)["generated_ids"] == ref
+
+
+class _Chunked:
+    def __init__(self, module, chunk):
+        self.module, self.chunk = module, chunk
+
+    def __call__(self, tokens, positions):
+        with torch.no_grad():
+            return self.module(tokens, positions)

@@ -1,0 +1,48 @@
+"""The C++ runner on a `cache=custom` program: the fused llmpipe::cached_attention kernel over the program's own
+cache buffers, and the rewind floor its sliding-window rings impose (tiny random Gemma 3, built by the pipeline)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import build
+
+
+@pytest.fixture(scope="module")
+def tiny_custom() -> dict:
+    m = build("tiny_gemma3_custom")  # verify included: C++ tokens == Python runtime == eager
+    assert m["status"] == "ok"
+    return m
+
+
+def interactive(bins, m, script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bins[0]), "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--chat", "0",
+                           "--interactive", "--max-new-tokens", "6", "--ignore-eos"], input=script,
+                          capture_output=True, text=True, errors="replace", timeout=120)
+
+
+def turns(proc) -> list[dict]:
+    return [json.loads(ln.split(": ", 1)[1]) for ln in proc.stderr.splitlines() if ln.startswith("STATS_JSON: ")]
+
+
+def test_runner_reports_the_program_rings(native_bins, tiny_custom):
+    proc = interactive(native_bins, tiny_custom, "hello there\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    # window 16, chunk 8: rings of 23 slots in two of the three layers
+    assert "[cache] in-graph (program-owned) | capacity=64 | 2 ring layers (window 16, 23 slots)" in proc.stderr
+
+
+def test_undo_below_what_the_rings_hold_is_refused(native_bins, tiny_custom):
+    long_turn = "ab " * 12
+    proc = interactive(native_bins, tiny_custom, f"hello there\n/undo\nhello there\n{long_turn}\n/undo\n/reset\n"
+                                                 "hello there\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    first, again, second, after_reset = turns(proc)
+    # within the rings an undo is exact: the same turn again gives the same tokens
+    assert again["generated_ids"] == first["generated_ids"]
+    assert second["cache_length"] > 23 + 16  # the rings wrapped past the first turn's window
+    assert "[undo] refused:" in proc.stderr
+    assert "ring caches no longer hold its window" in proc.stderr
+    assert after_reset["generated_ids"] == first["generated_ids"]
