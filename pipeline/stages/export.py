@@ -16,6 +16,7 @@ from pipeline.progress import spinner
 NAME, VERSION = "export", 1
 AFTER = ("quantize",)
 CONFIG_KEYS = ("export", "backend.name")  # weight-only linears take a backend-specific form
+SOURCES = ("pipeline/backends",)  # backend-specific module rewrites and partitioner configs
 
 log = logging.getLogger(__name__)
 

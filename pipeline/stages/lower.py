@@ -19,6 +19,7 @@ from pipeline.progress import spinner
 NAME, VERSION = "lower", 1
 AFTER = ("download", "export")
 CONFIG_KEYS = ("backend",)
+SOURCES = ("pipeline/backends",)  # backend-specific module rewrites and partitioner configs
 
 log = logging.getLogger(__name__)
 
