@@ -152,3 +152,161 @@ def _source_key(m) -> str:
 def _source_value(m):
     return {"gguf": m.path or m.package, "local": m.path, "hf": f"{m.repo_id}@{m.revision}",
             "random": "..."}.get(v(m.source), v(m.source))
+
+
+# --------------------------------------------------------------------------------------------------
+# memory estimates (preflight): from the geometry, never the weights
+# --------------------------------------------------------------------------------------------------
+# export + lower peak RSS over the fp32 weights; measured: SmolLM2-135M (540 MB fp32) peaks at
+# 2.1 GiB in lower (8da4w), gemma-3-270m (1.07 GB fp32, 0.67 GB of it the embedding) at 4.3 GiB
+EXPORT_PEAK_OVER_WEIGHTS = 4.0
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def parameter_count(g: Geometry) -> int:
+    attn = g.hidden_size * g.head_dim * (2 * g.num_heads + 2 * g.num_kv_heads)
+    mlp = 3 * g.hidden_size * g.intermediate_size
+    head = 0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size
+    return g.vocab_size * g.hidden_size + g.num_layers * (attn + mlp + 2 * g.hidden_size) + head
+
+
+def kv_cache_bytes(cfg, g: Geometry) -> int:
+    """K/V storage at the recipe's context: static keeps the whole context in every layer; custom and
+    offgraph hold rings of window + chunk - 1 slots in sliding layers."""
+    e = cfg.export
+    per_slot = 2 * g.num_kv_heads * g.head_dim * DTYPE_BYTES[v(e.dtype)]
+    types = g.layer_types or ["full_attention"] * g.num_layers
+    total = 0
+    for t in types:
+        slots = e.max_context_len
+        if t == "sliding_attention" and g.sliding_window and v(cfg.cache.mode) != CacheMode.static.value:
+            slots = min(g.sliding_window + e.prefill_chunk - 1, e.max_context_len)
+        total += slots * per_slot
+    return total
+
+
+def memory_estimate(cfg, g: Geometry) -> dict:
+    weights = parameter_count(g) * 4  # export works on fp32 (or dequantized) weights
+    return {"params": parameter_count(g), "export_peak_bytes": int(weights * EXPORT_PEAK_OVER_WEIGHTS),
+            "kv_cache_bytes": kv_cache_bytes(cfg, g)}
+
+
+def memory_problems(cfg, g: Geometry, total_bytes: int) -> list[tuple[str, object, str]]:
+    est = memory_estimate(cfg, g)
+    out = []
+    if est["export_peak_bytes"] > total_bytes:
+        out.append(("model", cfg.model.name, f"export needs about {est['export_peak_bytes'] / 2**30:.1f} GiB, "
+                                              f"this machine has {total_bytes / 2**30:.1f} GiB"))
+    if est["kv_cache_bytes"] > total_bytes / 4:
+        out.append(("export.max_context_len", cfg.export.max_context_len,
+                    f"the KV cache alone needs {est['kv_cache_bytes'] / 2**30:.2f} GiB (a quarter of this "
+                    f"machine's {total_bytes / 2**30:.1f} GiB is the limit)"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# python -m pipeline.validate [DIR] [--smoke]: every recipe, no download, no build
+# --------------------------------------------------------------------------------------------------
+TINY_FOR_ARCH = {"llama": "tiny_llama", "gemma3": "tiny_gemma3", "gemma3_text": "tiny_gemma3"}
+
+
+def _compose(name: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.paths import CONF_DIR
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[f"recipe={name}", *overrides])
+
+
+def validate_recipe(name: str, total_bytes: int) -> tuple[list[tuple[str, object, str]], Optional[dict], Optional[Geometry]]:
+    """Problems (composition, every rule, preflight incl. memory) and the memory estimate of one recipe."""
+    try:
+        cfg = _compose(name)
+    except Exception as e:  # composition: unknown key, bad group option, bad enum value ...
+        detail = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
+        return [("(composition)", name, detail[:400])], None, None
+    try:
+        g = check(cfg)
+        problems = []
+    except ConfigError as e:
+        problems, g = list(e.problems), None
+        try:
+            from pipeline import sources
+            g = sources.geometry(cfg.model)
+        except PipelineError:
+            pass
+    est = None
+    if g is not None:
+        problems += memory_problems(cfg, g, total_bytes)
+        est = memory_estimate(cfg, g)
+    return problems, est, g
+
+
+def smoke(name: str, g: Geometry) -> Optional[str]:
+    """Builds the recipe end to end on a tiny random model of the same architecture; None if it passed."""
+    from pipeline.session import build
+    tiny = TINY_FOR_ARCH.get(g.arch)
+    if tiny is None:
+        return f"no tiny model for architecture {g.arch!r}"
+    cfg = _compose(name, f"model={tiny}", "export.max_context_len=64", "export.prefill_chunk=8",
+                   "verify.max_new_tokens=4", "run.progress=false")
+    try:
+        m = build(cfg, recipe=f"{name} (smoke on {tiny})")
+    except PipelineError as e:
+        return str(e).splitlines()[0]
+    return None if m["status"] == "ok" else f"status {m['status']}"
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    import psutil
+
+    from pipeline.config import register_configs
+    from pipeline.paths import RECIPES_DIR
+    from pipeline.recipes import register_recipes
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.validate",
+                                 description="Check every recipe (composition, rules, preflight, memory) "
+                                             "without downloading or building anything.")
+    ap.add_argument("dir", nargs="?", default=str(RECIPES_DIR), help="recipe folder (default: recipes/)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="also build each recipe end to end on a tiny random model of its architecture")
+    a = ap.parse_args(argv)
+    from pathlib import Path
+    root = Path(a.dir).resolve()
+    if not root.is_dir():
+        print(f"error: {a.dir}: not a folder", flush=True)
+        return 2
+    register_configs()
+    names = register_recipes(root)
+    if not names:
+        print(f"error: no *.yaml recipes under {root}")
+        return 2
+    total = psutil.virtual_memory().total
+    rows, bad = [], 0
+    for name in names:
+        problems, est, g = validate_recipe(name, total)
+        if a.smoke and not problems and g is not None:
+            why = smoke(name, g)
+            if why:
+                problems.append(("(smoke)", name, why))
+        bad += bool(problems)
+        rows.append((name, problems, est))
+    w = max(len(n) for n in names)
+    print(f"{'recipe':<{w}}  {'status':<6}  {'export peak':>11}  {'KV cache':>9}  problems")
+    for name, problems, est in rows:
+        exp = f"{est['export_peak_bytes'] / 2**30:.1f} GiB" if est else "-"
+        kv = f"{est['kv_cache_bytes'] / 2**20:.1f} MiB" if est else "-"
+        first = True
+        for key, value, why in problems or [("", "", "")]:
+            head = f"{name:<{w}}  {'FAIL' if problems else 'ok':<6}  {exp:>11}  {kv:>9}" if first else " " * (w + 33)
+            print(f"{head}  {f'{key}={value!r}: {why}' if key else ''}")
+            first = False
+    print(f"\n{len(rows)} recipe(s), {bad} with problems")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""python -m pipeline.validate [DIR]: every recipe checked without downloading or building anything."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from pipeline import validate
+from pipeline.geometry import Geometry
+from tests.conftest import ROOT, compose_cfg
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "pipeline.validate", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_project_recipes_all_pass():
+    r = run()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 with problems" in r.stdout
+    for name in ("smollm2_custom", "gemma3_offgraph", "tiny_llama_xnnpack"):
+        assert name in r.stdout
+
+
+def test_a_users_folder_reports_every_problem_of_every_recipe(tmp_path):
+    (tmp_path / "good.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: tiny_llama\n")
+    (tmp_path / "bad_chunk.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: tiny_gemma3\n  - override /cache: offgraph\n"
+        "export:\n  max_context_len: 64\n  prefill_chunk: 32\ncache:\n  custom_sdpa: true\n")
+    (tmp_path / "typo.yaml").write_text("# @package _global_\nexport:\n  prefil_chunk: 8\n")
+    r = run(str(tmp_path))
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout
+    assert "3 recipe(s), 2 with problems" in out
+    good = next(ln for ln in out.splitlines() if ln.startswith("good "))
+    assert " ok " in good
+    # both problems of bad_chunk, named by key and value
+    assert "export.prefill_chunk=32" in out and "smallest sliding window 16" in out
+    assert "cache.custom_sdpa/custom_kv_cache" in out
+    assert "typo" in out and "prefil_chunk" in out
+
+
+def test_missing_folder_is_a_usage_error(tmp_path):
+    r = run(str(tmp_path / "nope"))
+    assert r.returncode == 2 and "not a folder" in r.stdout
+
+
+def test_memory_estimates():
+    g = Geometry(arch="llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                 num_kv_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+    assert abs(validate.parameter_count(g) - 134.5e6) < 0.5e6  # SmolLM2-135M
+    cfg = compose_cfg("recipe=smollm2_xnnpack", "export.max_context_len=512")
+    # 30 layers x 512 positions x K and V x 3 heads x 64 dims x fp32
+    assert validate.kv_cache_bytes(cfg, g) == 30 * 512 * 2 * 3 * 64 * 4
+    assert validate.memory_problems(cfg, g, total_bytes=1 << 30)  # 1 GiB cannot export it
+    assert not validate.memory_problems(cfg, g, total_bytes=24 << 30)
+
+
+def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
+    g = Geometry(arch="gemma3", hidden_size=640, intermediate_size=2048, num_layers=2, num_heads=4, num_kv_heads=1,
+                 head_dim=256, vocab_size=1000, layer_types=["sliding_attention", "full_attention"],
+                 sliding_window=512)
+    static = compose_cfg("recipe=gemma3_xnnpack", "export.max_context_len=4096")
+    offgraph = compose_cfg("recipe=gemma3_offgraph", "export.max_context_len=4096", "export.prefill_chunk=128")
+    slot = 2 * 256 * 4
+    assert validate.kv_cache_bytes(static, g) == 2 * 4096 * slot
+    assert validate.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
