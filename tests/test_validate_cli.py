@@ -65,3 +65,11 @@ def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
     slot = 2 * 256 * 4
     assert validate.kv_cache_bytes(static, g) == 2 * 4096 * slot
     assert validate.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
+
+
+def test_smoke_builds_a_real_recipe_on_a_tiny_model_of_its_architecture(tmp_path):
+    (tmp_path / "smollm2_custom.yaml").write_text((ROOT / "recipes" / "smollm2_custom.yaml").read_text())
+    r = subprocess.run([sys.executable, "-m", "pipeline.validate", str(tmp_path), "--smoke"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "smollm2_custom (smoke on tiny_llama)" in r.stdout and "0 with problems" in r.stdout
