@@ -40,8 +40,35 @@ def _hydra_main(cfg: DictConfig) -> None:
     except PipelineError as e:
         # a clean message, no traceback: the error names what went wrong and where
         print(f"error: {e}", file=sys.stderr)
+        if _in_multirun():
+            # one failed job must not end the sweep: its manifest carries the error into the report
+            _record_job_failure(cfg, e)
+            return
         sys.exit(e.exit_code)
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _record_job_failure(cfg: DictConfig, err: Exception) -> None:
+    """A job that failed before its build wrote a manifest (a rejected config) still gets one."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    from pipeline.session import hydra_overrides
+    from pipeline.store import write_json_atomic
+    path = Path(HydraConfig.get().runtime.output_dir) / "manifest.json"
+    if not path.exists():
+        write_json_atomic(path, {"status": "failed", "error": str(err), "overrides": hydra_overrides(),
+                                 "recipe": HydraConfig.get().runtime.choices.get("recipe"), "stages": []})
 
 
 def main() -> None:
     _hydra_main()
+    from pipeline.sweep_report import SweepReport
+    if SweepReport.failed_jobs:  # a sweep with failed jobs still writes its report, then says so
+        sys.exit(1)

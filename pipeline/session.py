@@ -122,6 +122,15 @@ def run_dir(cfg: DictConfig) -> Path:
         return d
 
 
+def hydra_overrides() -> list[str]:
+    """The command-line overrides of this (sweep) job, for manifests and sweep reports."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return []
+
+
 def recipe_name() -> str | None:
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -143,7 +152,8 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     manifest = {
         "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
-        "git_commit": commit, "argv": sys.argv[1:], "stages": [], "status": "running",
+        "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "stages": [],
+        "status": "running",
     }
     entries: dict[str, Path] = {}
     keys: dict[str, str] = {}
