@@ -1,5 +1,6 @@
-"""End to end on gemma-3-270m with the off-graph cache: built and verified exactly (recipe gemma3_offgraph),
-then a prompt longer than the 512-token sliding window through the C++ runner, against HF eager."""
+"""End to end on gemma-3-270m with the off-graph cache and the custom in-graph cache: built and verified
+exactly (recipes gemma3_offgraph, gemma3_custom), then a prompt longer than the 512-token sliding window
+through the C++ runner (the rings wrap), against HF eager."""
 from __future__ import annotations
 
 import json
@@ -12,16 +13,29 @@ from pipeline import native
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.real_model
-RECIPE = "gemma3_offgraph"
 TEXT = ("The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, the "
         "colour of the sea, and whatever small thing had surprised him that day. ")
 
 
-@pytest.fixture(scope="module")
-def built() -> dict:
-    r = run_cli(f"recipe={RECIPE}", "run.progress=false", timeout=3000)
+# chunk 128: rings of 512 + 128 - 1 = 639 slots, so a 700-token prompt wraps them (at the recipes'
+# chunk 512 a ring of 1023 slots never wraps within the 1024-token context)
+CHUNK = "export.prefill_chunk=128"
+
+
+def _build(recipe: str) -> dict:
+    r = run_cli(f"recipe={recipe}", CHUNK, "run.progress=false", timeout=3000)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return _build("gemma3_offgraph")
+
+
+@pytest.fixture(scope="module")
+def built_custom() -> dict:
+    return _build("gemma3_custom")
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +72,10 @@ def test_prompt_past_the_window_wraps_the_rings_and_matches_eager(built, hf_mode
     stats = native.run(built["pte"], built["tokenizer"], prompt_ids=ids, max_new_tokens=n,
                        extra_args=["--kv-max-capacity", "1024", "--ignore-eos"])
     assert stats["generated_ids"] == hf_greedy(hf_model, ids, n)
-    # ring layers: window 512 + chunk 512 - 1 slots; flat layers: 512 doubled once to cover 711 positions;
+    # ring layers: window 512 + chunk 128 - 1 slots; flat layers: 512 doubled once to cover 711 positions;
     # 1 KV head, K and V of 256 dims, fp32
     slot = 1 * (256 + 256) * 4
-    assert stats["cache_bytes"] == (15 * (512 + 512 - 1) + 3 * 1024) * slot
+    assert stats["cache_bytes"] == (15 * (512 + 128 - 1) + 3 * 1024) * slot
 
 
 def test_all_flat_windows_match_eager_within_the_window(built, hf_model):
@@ -71,3 +85,16 @@ def test_all_flat_windows_match_eager_within_the_window(built, hf_model):
                        extra_args=["--kv-max-capacity", "1024", "--kv-windows", "0", "--ignore-eos"])
     assert stats["cache_report"].endswith("18 layers: 18 flat")
     assert stats["generated_ids"] == hf_greedy(hf_model, ids, n)
+
+
+def test_custom_verified_exactly_and_past_the_window_in_cpp(built_custom, hf_model):
+    s = built_custom["verify"]
+    assert s["same_quant"]["greedy_match"] == s["same_quant"]["greedy_total"] > 0
+    assert s["native"]["token_parity"]
+    # 15 sliding layers hold rings of 512 + 128 - 1 slots in the program
+    assert s["native"]["cache_report"] == ("[cache] in-graph (program-owned) | capacity=1024 | "
+                                           "15 ring layers (window 512, 639 slots)")
+    ids = long_prompt(built_custom, 700)
+    stats = native.run(built_custom["pte"], built_custom["tokenizer"], prompt_ids=ids, max_new_tokens=12,
+                       extra_args=["--ignore-eos"])
+    assert stats["generated_ids"] == hf_greedy(hf_model, ids, 12)
