@@ -179,6 +179,12 @@ def main() -> None:
             print(f"[{model}] round {r + 1}/{a.rounds}", flush=True)
         rows = {e: {k: med(rs, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "peak_rss_mib")}
                 for e, rs in runs.items()}
+        if "eager" in runs:  # a sanity check that every engine ran the same model: leading greedy agreement
+            ref = runs["eager"][0]["generated_ids"]
+            for e in rows:
+                got = runs[e][0]["generated_ids"]
+                rows[e]["leading_tokens_equal_eager"] = next((i for i, (x, y) in enumerate(zip(got, ref)) if x != y),
+                                                             min(len(got), len(ref)))
         ratios = {}
         if "ours" in rows:
             for other in (e for e in rows if e != "ours"):
@@ -187,10 +193,11 @@ def main() -> None:
                                    "engines": rows, "ratios": ratios}
         print(f"\n{model} ({' '.join(BEST[model])}; GGUF {Path(sources['llama.cpp']).name}): prompt {len(ids)} tokens, "
               f"{a.new_tokens} new, {a.threads} threads for every engine, medians of {a.rounds} alternating rounds")
-        print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'TTFT ms':>9} {'peak RSS MiB':>12}")
+        print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'TTFT ms':>9} {'peak RSS MiB':>12} "
+              f"{'= eager tokens':>14}")
         for e, row in rows.items():
             print(f"  {e:<10} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.1f} {row['ttft_ms']:>9.1f} "
-                  f"{row['peak_rss_mib']:>12.0f}")
+                  f"{row['peak_rss_mib']:>12.0f} {row.get('leading_tokens_equal_eager', '-'):>14}")
         for name, rr in ratios.items():
             print(f"  {name:<16} prefill x{rr['prefill_tok_s']:.2f}  decode x{rr['decode_tok_s']:.2f}")
     out = ROOT / "outputs" / "bench" / "latest.json"
