@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "tokenizer.h"
+
 namespace llmrt {
 
 std::vector<std::string> chat_template_names() { return {"llama3", "gemma", "gemma4", "chatml", "0"}; }
@@ -58,6 +60,18 @@ std::string ChatTemplate::render(const std::string& user_text, bool first) const
   s += user_suffix;
   s += assistant_prefix;
   return s;
+}
+
+std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text,
+                                 bool first, int64_t program_bos) {
+  std::vector<int32_t> ids = tok.encode(tpl.render(text, first), /*add_special_tokens=*/false);
+  if (tpl.raw && first) {
+    // Raw text with BOS: the tokenizer's own BOS if its post-processor adds
+    // one, else the program's.
+    int64_t bos = tok.bos_id() >= 0 ? tok.bos_id() : program_bos;
+    if (bos >= 0 && (ids.empty() || ids[0] != bos)) ids.insert(ids.begin(), static_cast<int32_t>(bos));
+  }
+  return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
 }  // namespace llmrt

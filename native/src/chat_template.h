@@ -1,6 +1,7 @@
 // Chat templates (text level; the tokenizer then matches the special tokens).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,13 @@ struct ChatTemplate {
   // Otherwise the previous model turn is closed first (turn_end + turn_sep).
   std::string render(const std::string& user_text, bool first) const;
 };
+
+class Tokenizer;
+
+// The ids of one user turn (the template applied; raw text gets a BOS: the tokenizer's
+// post-processor BOS if it has one, else `program_bos`).
+std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text,
+                                 bool first, int64_t program_bos);
 
 // Throws std::invalid_argument for an unknown name.
 ChatTemplate chat_template(const std::string& name);

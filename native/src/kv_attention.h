@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 
@@ -46,10 +47,13 @@ Plan plan_step(int layer, int64_t pos, int64_t T, int64_t window, int64_t ring);
 struct StepArgs {
   int64_t Hq = 0, T = 0, D = 0, Hkv = 0, Dv = 0, pos = 0;
 };
+// consecutive = false (a batched step): only the count and type of the positions are checked.
 bool check_step_args(const executorch::aten::Tensor& q, const executorch::aten::Tensor& k,
                      const executorch::aten::Tensor& v, const executorch::aten::Tensor& position,
                      executorch::aten::ScalarType out_dtype, const executorch::aten::Tensor& out,
-                     StepArgs* args, std::string* why);
+                     StepArgs* args, std::string* why, bool consecutive = true);
+// Entry i of a Long or Int position tensor.
+int64_t position_at(const executorch::aten::Tensor& position, int64_t i);
 // Resizes out to [1,Hq,T,Dv].
 bool resize_out(executorch::aten::Tensor& out, const StepArgs& a);
 
@@ -69,5 +73,28 @@ void write_step(const SlotView& s, const Plan& p, const executorch::aten::Tensor
 // out [1,Hq,T,Dv] (dtype out_code) = softmax(q K^T * scale, causal / banded mask) V over the plan's read runs.
 void attend(const SlotView& s, const Plan& p, const executorch::aten::Tensor& q, float scale, void* out,
             int out_code);
+
+// A row group of a step whose rows may belong to different sequences (the batched runner packs
+// several sessions into one forward): rows [row0, row0 + T) of the step's T axis are queries at
+// logical positions [pos, pos + T) of one layer cache, whose keys are logical [base, pos + T).
+// Slots are explicit lists, so a cache need not be runs (a pool of cells is not).
+struct Segment {
+  SlotView view;
+  int64_t pos = 0, T = 0, row0 = 0, base = 0;
+  const int64_t* write = nullptr;  // T physical slots the step's entries go to
+  const int64_t* read = nullptr;   // pos + T - base physical slots, oldest first
+  int64_t span() const { return pos + T - base; }
+};
+
+// The plan's runs as slot lists (write: T entries, read: span entries).
+void plan_slots(const Plan& p, std::vector<int64_t>* write, std::vector<int64_t>* read);
+
+// Writes rows [row0, row0 + T) of k [1,Hkv,Ttot,D] / v [1,Hkv,Ttot,Dv] at the segment's write slots.
+void write_segment(const Segment& s, const executorch::aten::Tensor& k, const executorch::aten::Tensor& v);
+
+// For every segment, out rows [row0, row0 + T) (out [1,Hq,Ttot,Dv], dtype out_code) = the attention of
+// those query rows over the segment's keys; one threadpool pass over all (segment, head, query) rows.
+void attend_segments(const Segment* segs, int n, const executorch::aten::Tensor& q, float scale, void* out,
+                     int out_code);
 
 }  // namespace llmrt::kv

@@ -341,6 +341,33 @@ const std::vector<float>& LlmProgram::forward(const int64_t* tokens, int64_t n, 
     tok_buf_[i] = tokens[i];
     pos_buf_[i] = pos + i;
   }
+  last_row_.assign(1, n - 1);
+  execute(n, last_row_, &logits_);
+  return logits_;
+}
+
+const std::vector<float>& LlmProgram::forward_rows(const int64_t* tokens, const int64_t* positions, int64_t n,
+                                                   const std::vector<int64_t>& rows) {
+  if (n < 1 || n > info_.max_seq_len)
+    throw ProgramError("forward called with " + std::to_string(n) + " tokens (must be 1.." +
+                       std::to_string(info_.max_seq_len) + ")");
+  for (int64_t i = 0; i < n; ++i) {
+    if (positions[i] < 0 || positions[i] >= position_limit_)
+      throw ProgramError("row " + std::to_string(i) + " at position " + std::to_string(positions[i]) +
+                         " exceeds the context of " + std::to_string(position_limit_));
+    tok_buf_[i] = tokens[i];
+    pos_buf_[i] = positions[i];
+  }
+  for (int64_t r : rows)
+    if (r < 0 || r >= n || (!all_rows_logits() && r != n - 1))
+      throw ProgramError("logits of row " + std::to_string(r) + " of a " + std::to_string(n) +
+                         "-row step asked from a program with logits mode '" +
+                         logits_mode_name(info_.logits_mode) + "' (only 'full' has every row)");
+  execute(n, rows, &rows_logits_);
+  return rows_logits_;
+}
+
+void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vector<float>* dst) {
   auto t_tok = from_blob(tok_buf_.data(), {1, static_cast<int>(n)}, ScalarType::Long);
   auto t_pos = from_blob(pos_buf_.data(), {static_cast<int>(n)}, ScalarType::Long);
   std::vector<EValue> inputs{EValue(*t_tok), EValue(*t_pos)};
@@ -362,33 +389,39 @@ const std::vector<float>& LlmProgram::forward(const int64_t* tokens, int64_t n, 
   if (V != info_.vocab_size)
     throw ProgramError("forward returned logits of width " + std::to_string(V) +
                        " but get_vocab_size says " + std::to_string(info_.vocab_size));
-  int64_t rows = out.numel() / V;
-  int64_t off = (rows - 1) * V;
-  switch (out.scalar_type()) {
-    case ScalarType::Float: {
-      const float* p = out.const_data_ptr<float>() + off;
-      std::memcpy(logits_.data(), p, V * sizeof(float));
-      info_.logits_dtype = "Float";
-      break;
+  const int64_t out_rows = out.numel() / V;
+  dst->resize(rows.size() * V);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    // R == n: row r is output row r; otherwise the program kept the last row only
+    const int64_t src = out_rows == n ? rows[k] : out_rows - 1;
+    if (out_rows != n && rows[k] != n - 1)
+      throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for a " +
+                         std::to_string(n) + "-row step; row " + std::to_string(rows[k]) + " is not among them");
+    const int64_t off = src * V;
+    float* d = dst->data() + k * V;
+    switch (out.scalar_type()) {
+      case ScalarType::Float:
+        std::memcpy(d, out.const_data_ptr<float>() + off, V * sizeof(float));
+        info_.logits_dtype = "Float";
+        break;
+      case ScalarType::Half: {
+        const auto* p = static_cast<const uint16_t*>(out.const_data_ptr()) + off;
+        for (int64_t i = 0; i < V; ++i) d[i] = half_to_float(p[i]);
+        info_.logits_dtype = "Half";
+        break;
+      }
+      case ScalarType::BFloat16: {
+        const auto* p = static_cast<const uint16_t*>(out.const_data_ptr()) + off;
+        for (int64_t i = 0; i < V; ++i) d[i] = bf16_to_float(p[i]);
+        info_.logits_dtype = "BFloat16";
+        break;
+      }
+      default:
+        throw ProgramError(std::string("forward returned logits of dtype ") +
+                           scalar_type_name(static_cast<int64_t>(out.scalar_type())) +
+                           " (expected Float, Half or BFloat16)");
     }
-    case ScalarType::Half: {
-      const auto* p = static_cast<const uint16_t*>(out.const_data_ptr()) + off;
-      for (int64_t i = 0; i < V; ++i) logits_[i] = half_to_float(p[i]);
-      info_.logits_dtype = "Half";
-      break;
-    }
-    case ScalarType::BFloat16: {
-      const auto* p = static_cast<const uint16_t*>(out.const_data_ptr()) + off;
-      for (int64_t i = 0; i < V; ++i) logits_[i] = bf16_to_float(p[i]);
-      info_.logits_dtype = "BFloat16";
-      break;
-    }
-    default:
-      throw ProgramError(std::string("forward returned logits of dtype ") +
-                         scalar_type_name(static_cast<int64_t>(out.scalar_type())) +
-                         " (expected Float, Half or BFloat16)");
   }
-  return logits_;
 }
 
 }  // namespace llmrt

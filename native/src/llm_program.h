@@ -68,13 +68,24 @@ class LlmProgram {
   // and returns the logits of the last row as floats (vocab_size entries).
   const std::vector<float>& forward(const int64_t* tokens, int64_t n, int64_t pos);
 
+  // A batched step: row i is token tokens[i] at position positions[i] (rows of several sessions,
+  // see batched_engine.h). Returns the logits of `rows` (indices into the step, ascending),
+  // rows.size() x vocab_size floats. Only a `full` program has logits for every row; the others
+  // have row n - 1 only (asking for another row is an error).
+  const std::vector<float>& forward_rows(const int64_t* tokens, const int64_t* positions, int64_t n,
+                                         const std::vector<int64_t>& rows);
+  bool all_rows_logits() const { return info_.logits_mode == 0; }
+
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);
+  // Executes forward on the first n entries of tok_buf_ / pos_buf_; writes the logits of `rows` to dst.
+  void execute(int64_t n, const std::vector<int64_t>& rows, std::vector<float>* dst);
   int64_t position_limit_ = 0;
   std::unique_ptr<executorch::extension::module::Module> module_;
   ProgramInfo info_;
   std::vector<int64_t> tok_buf_, pos_buf_, rows_buf_;
-  std::vector<float> logits_;
+  std::vector<float> logits_, rows_logits_;
+  std::vector<int64_t> last_row_;
 };
 
 }  // namespace llmrt

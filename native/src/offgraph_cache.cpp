@@ -114,12 +114,8 @@ kv::SlotView OffgraphKvCache::view(int layer) {
 
 int64_t OffgraphKvCache::rewind_floor() const {
   int64_t floor = 0;
-  for (const Layer& L : layers_) {
-    if (L.ring == 0) continue;
-    int64_t oldest = std::max<int64_t>(0, length_ - L.ring);  // oldest position still held
-    // a step at target t reads [max(0, t - w + 1), t): needs t - w + 1 >= oldest
-    if (oldest > 0) floor = std::max(floor, oldest + L.spec.window - 1);
-  }
+  for (const Layer& L : layers_)
+    if (L.ring != 0) floor = std::max(floor, ring_rewind_floor(length_, L.ring, L.spec.window));
   return floor;
 }
 
@@ -169,12 +165,22 @@ std::string OffgraphKvCache::describe() const {
 // -- binding -------------------------------------------------------------------------------
 namespace {
 std::atomic<OffgraphKvCache*> g_bound{nullptr};
+std::atomic<const BatchStep*> g_batch{nullptr};
 std::mutex g_err_mu;
 std::string g_last_error;
 }  // namespace
 
-void bind_cache(OffgraphKvCache* cache) { g_bound.store(cache, std::memory_order_release); }
+void bind_cache(OffgraphKvCache* cache) {
+  g_batch.store(nullptr, std::memory_order_release);
+  g_bound.store(cache, std::memory_order_release);
+}
 OffgraphKvCache* bound_cache() { return g_bound.load(std::memory_order_acquire); }
+
+void bind_batch(const BatchStep* step) {
+  g_bound.store(nullptr, std::memory_order_release);
+  g_batch.store(step, std::memory_order_release);
+}
+const BatchStep* bound_batch() { return g_batch.load(std::memory_order_acquire); }
 
 void set_last_error(const std::string& msg) {
   std::lock_guard<std::mutex> g(g_err_mu);

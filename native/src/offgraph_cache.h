@@ -17,6 +17,11 @@
 // in last_error()), never a crash. Executes are not concurrent within a process
 // (the binding is global, not per thread), which is how the runners work.
 //
+// Batched steps (the batched runner, batched_engine.h): one forward may carry rows of several
+// sessions. The caller binds a BatchStep instead (bind_batch): row group g is the next T_g rows of
+// the step, positions [pos_g, pos_g + T_g) of session cache g (a StepKv). Binding one kind of
+// target clears the other; the kernel serves whichever is bound.
+//
 // Cache policy (one logical length shared by all layers):
 //   - plan(layer, pos, T) is pure; commit sets length = max(length, pos + T).
 //   - refused: pos > length (a gap), pos + T > capacity, on a ring T > max_write.
@@ -103,11 +108,52 @@ class OffgraphKvCache {
   int64_t length_ = 0;
 };
 
-// The process-global binding.
+// What the kernel needs from one session of a batched step: its layers and, per layer, where a
+// step's entries go and where its keys are (explicit slot lists over one storage view).
+struct StepSlots {
+  kv::SlotView view;
+  int64_t base = 0;                   // logical position of read[0]
+  std::vector<int64_t> write, read;   // T slots; pos + T - base slots, oldest first
+};
+
+class StepKv {
+ public:
+  virtual ~StepKv() = default;
+  virtual int n_layers() const = 0;
+  virtual const LayerSpec& spec(int layer) const = 0;
+  // The slots of a step at [pos, pos + T) in `layer`. The owner reserved the storage before the
+  // execute, so this never allocates (other sessions' views stay valid). False + why if it cannot.
+  virtual bool step_slots(int layer, int64_t pos, int64_t T, StepSlots* out, std::string* why) = 0;
+};
+
+struct RowGroup {
+  StepKv* kv = nullptr;
+  int64_t pos = 0, T = 0;
+};
+
+struct BatchStep {
+  std::vector<RowGroup> groups;  // in row order; a session appears in one group at most
+  int64_t rows() const {
+    int64_t n = 0;
+    for (const RowGroup& g : groups) n += g.T;
+    return n;
+  }
+};
+
+// The process-global binding: one cache (single-session runner, Python verify) or one batched step.
 void bind_cache(OffgraphKvCache* cache);
 OffgraphKvCache* bound_cache();
+void bind_batch(const BatchStep* step);
+const BatchStep* bound_batch();
 void set_last_error(const std::string& msg);
 std::string last_error();
+
+// Lowest nonzero length a ring of `ring` slots and window `window`, filled up to `length`, can be
+// rewound to: a step at target t reads [max(0, t - w + 1), t), which the ring must still hold.
+inline int64_t ring_rewind_floor(int64_t length, int64_t ring, int64_t window) {
+  const int64_t oldest = length > ring ? length - ring : 0;  // oldest position still held
+  return oldest > 0 ? oldest + window - 1 : 0;
+}
 
 // Parses "512,0" into a pattern (layer l gets pattern[l % size], 0 = flat).
 std::vector<int64_t> parse_windows(const std::string& text);  // throws std::invalid_argument

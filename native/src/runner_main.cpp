@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chat_template.h"
+#include "cli_common.h"
 #include "kv_cache.h"
 #include "llm_program.h"
 #include "sampler.h"
@@ -26,42 +27,15 @@
 #include "tokenizer.h"
 #include "utf8.h"
 
-// The wheel ships the thread pool library but not its header; these two
-// members are all the runner needs (for --threads).
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  size_t get_thread_count() const;
-  bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
-
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 using namespace llmrt;
-
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
-
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// ExecuTorch logs Info lines to stderr; keep only errors.
-void pal_log(et_timestamp_t, et_pal_log_level_t level, const char* filename, const char*,
-             size_t line, const char* message, size_t length) {
-  if (level != kError && level != kFatal) return;
-  while (length > 0 && (message[length - 1] == '\n' || message[length - 1] == '\r')) --length;
-  const char* base = filename ? std::strrchr(filename, '/') : nullptr;
-  std::fprintf(stderr, "[executorch %c %s:%zu] %.*s\n", static_cast<char>(level),
-               base ? base + 1 : (filename ? filename : "?"), line, static_cast<int>(length),
-               message);
-}
+using cli::Clock;
+using cli::ms_since;
+using cli::parse_double;
+using cli::parse_int;
+using cli::UsageError;
 
 struct Options {
   std::string pte, tokenizer, prompt, prompt_ids, chat = "0", stats_json;
@@ -130,28 +104,6 @@ void print_help() {
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
       static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
       static_cast<long long>(d.kv_initial_capacity));
-}
-
-int64_t parse_int(const std::string& flag, const std::string& v) {
-  try {
-    size_t used = 0;
-    long long x = std::stoll(v, &used);
-    if (used != v.size()) throw std::invalid_argument(v);
-    return x;
-  } catch (const std::exception&) {
-    throw UsageError(flag + " expects an integer, got '" + v + "'");
-  }
-}
-
-double parse_double(const std::string& flag, const std::string& v) {
-  try {
-    size_t used = 0;
-    double x = std::stod(v, &used);
-    if (used != v.size()) throw std::invalid_argument(v);
-    return x;
-  } catch (const std::exception&) {
-    throw UsageError(flag + " expects a number, got '" + v + "'");
-  }
 }
 
 std::vector<int64_t> parse_ids(const std::string& s) {
@@ -258,19 +210,6 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (!o.interactive && !o.has_prompt && !o.has_prompt_ids)
     throw UsageError("give --prompt, --prompt-ids or --interactive");
   return o;
-}
-
-// Ids for one user turn.
-std::vector<int64_t> turn_ids(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text,
-                              bool first, int64_t program_bos) {
-  std::vector<int32_t> ids = tok.encode(tpl.render(text, first), /*add_special_tokens=*/false);
-  if (tpl.raw && first) {
-    // Raw text with BOS: the tokenizer's own BOS if its post-processor adds
-    // one, else the program's.
-    int64_t bos = tok.bos_id() >= 0 ? tok.bos_id() : program_bos;
-    if (bos >= 0 && (ids.empty() || ids[0] != bos)) ids.insert(ids.begin(), static_cast<int32_t>(bos));
-  }
-  return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
 struct TurnResult {
@@ -492,7 +431,7 @@ int run_encode(const Options& o) {
     LlmProgram prog(o.pte);
     bos = prog.info().bos_id;
   }
-  std::vector<int64_t> ids = turn_ids(*tok, tpl, o.prompt, true, bos);
+  std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true, bos);
   std::string line;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (i) line += ' ';
@@ -599,7 +538,7 @@ int run(const Options& o) {
 
   if (!o.interactive) {
     std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids)
-                                                : turn_ids(*tok, tpl, o.prompt, true, info.bos_id);
+                                                : encode_turn(*tok, tpl, o.prompt, true, info.bos_id);
     if (ids.empty()) throw UsageError("the prompt is empty (no tokens)");
     for (int64_t id : ids)
       if (id < 0 || id >= info.vocab_size)
@@ -667,7 +606,7 @@ int run(const Options& o) {
       continue;
     }
     bool first = marks.empty();
-    std::vector<int64_t> ids = turn_ids(*tok, tpl, line, first, info.bos_id);
+    std::vector<int64_t> ids = encode_turn(*tok, tpl, line, first, info.bos_id);
     int64_t need = static_cast<int64_t>(ids.size()) + (pending >= 0 ? 1 : 0);
     int64_t free_slots = cache.capacity() - cache.length();
     if (need > free_slots) {
@@ -692,7 +631,7 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(pal_log, __FILE__));
+  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(cli::pal_log, __FILE__));
   executorch::runtime::runtime_init();
   bool help = false;
   Options o;

@@ -57,3 +57,40 @@ def tiny_programs() -> Path:
             if proc.returncode != 0:
                 pytest.fail(f"tiny export failed:\n{proc.stderr[-4000:]}")
     return out
+
+
+@pytest.fixture(scope="session")
+def og_programs(native_bins) -> Path:
+    """The tiny offgraph programs (offgraph_tiny_export.py), cached per export-script + op-module content
+    and package versions."""
+    from importlib.metadata import version
+    script = HERE / "offgraph_tiny_export.py"
+    blob = script.read_bytes() + (REPO / "pipeline" / "offgraph.py").read_bytes()
+    blob += ",".join(f"{p}={version(p)}" for p in ("torch", "executorch", "transformers")).encode()
+    key = "og-" + hashlib.sha256(blob).hexdigest()[:16]
+    root = Path(os.environ.get("LLM_NATIVE_TEST_CACHE", Path.home() / ".cache" / "llm-pipeline" / "native-tests"))
+    out = root / key
+    out.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                                  timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"offgraph tiny export failed:\n{proc.stderr[-4000:]}")
+    return out
+
+
+@pytest.fixture(scope="session")
+def batched_bins(native_bins):
+    """(llm_batched_runner, prefix_cache_test), rebuilt with native/build.sh if older than the sources."""
+    from pipeline import native
+
+    bins = (native.BUILD_DIR / "llm_batched_runner", native.BUILD_DIR / "prefix_cache_test")
+    sources = [native.NATIVE_DIR / "CMakeLists.txt", *(native.NATIVE_DIR / "src").glob("*")]
+    newest = max(f.stat().st_mtime for f in sources if f.is_file())
+    if any(not b.exists() or b.stat().st_mtime < newest for b in bins):
+        native.build_native(force=True)
+        for b in bins:
+            b.touch()  # ninja leaves up-to-date outputs alone
+    return bins

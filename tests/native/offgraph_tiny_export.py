@@ -3,9 +3,12 @@
     python offgraph_tiny_export.py OUT_DIR
 
 writes into OUT_DIR:
-  og_llama.pte   Llama (2 layers, hidden 64, GQA 4/2), XNNPACK, logits 'last', chunk 8, context 96
-  og_gemma3.pte  Gemma 3 (3 layers: sliding 16, sliding 16, full; 1 KV head), portable, logits 'last',
-                 chunk 8, context 96
+  og_llama.pte        Llama (2 layers, hidden 64, GQA 4/2), XNNPACK, logits 'last', chunk 8, context 96
+  og_gemma3.pte       Gemma 3 (3 layers: sliding 16, sliding 16, full; 1 KV head), portable, logits 'last',
+                      chunk 8, context 96
+  og_gemma3_full.pte  the same Gemma 3 with logits 'full' (every row: the batched runner packs the decode
+                      steps of several sessions into one forward)
+  og_llama_full.pte   the same Llama with logits 'full', XNNPACK
 Each program has no KV cache: every attention layer calls llmpipe::update_and_attend.out and the
 runtime owns the cache (constant methods get_n_caches, get_kv_heads, get_head_dims, get_windows).
 """
@@ -50,13 +53,16 @@ def make_gemma3():
     return Gemma3ForCausalLM(cfg).eval()
 
 
-MODELS = {"og_llama": (make_llama, "xnnpack"), "og_gemma3": (make_gemma3, "portable")}
+# name -> (model, backend, logits mode)
+MODELS = {"og_llama": (make_llama, "xnnpack", "last"), "og_gemma3": (make_gemma3, "portable", "last"),
+          "og_gemma3_full": (make_gemma3, "portable", "full"), "og_llama_full": (make_llama, "xnnpack", "full")}
+LOGITS_MODE_CODES = {"full": 0, "last": 1}
 
 
 def wrapped(name: str):
     from pipeline.offgraph import OffgraphLM
-    make, _ = MODELS[name]
-    return OffgraphLM(make(), CTX, "last", prefill_chunk=CHUNK)
+    make, _, logits = MODELS[name]
+    return OffgraphLM(make(), CTX, logits, prefill_chunk=CHUNK)
 
 
 def export(name: str, out: Path) -> None:
@@ -64,14 +70,14 @@ def export(name: str, out: Path) -> None:
 
     from pipeline import offgraph
     module = wrapped(name)
-    backend = MODELS[name][1]
+    _, backend, logits = MODELS[name]
     T = torch.export.Dim("T", min=1, max=CHUNK)
     with torch.no_grad():
         ep = torch.export.export(module, (torch.tensor([[1, 2]]), torch.arange(2)),
                                  dynamic_shapes=({1: T}, {0: T}), strict=True)
     consts = dict(offgraph.constant_methods(module.model.config), get_max_context_len=CTX,
                   get_max_seq_len=CHUNK, get_vocab_size=VOCAB, get_activation_dtype=6,
-                  get_logits_to_keep_mode=1, get_bos_id=1, get_eos_ids=EOS,
+                  get_logits_to_keep_mode=LOGITS_MODE_CODES[logits], get_bos_id=1, get_eos_ids=EOS,
                   get_recipe_hash=f"offgraph-{name}")
     partitioners = []
     if backend == "xnnpack":

@@ -6,43 +6,15 @@
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import offgraph_tiny_export as ote
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
 TOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def og_programs(native_bins) -> Path:
-    """The tiny offgraph programs, cached per export-script + op-module content and package versions."""
-    from importlib.metadata import version
-    script = HERE / "offgraph_tiny_export.py"
-    blob = script.read_bytes() + (REPO / "pipeline" / "offgraph.py").read_bytes()
-    blob += ",".join(f"{p}={version(p)}" for p in ("torch", "executorch", "transformers")).encode()
-    key = "og-" + hashlib.sha256(blob).hexdigest()[:16]
-    root = Path(os.environ.get("LLM_NATIVE_TEST_CACHE", Path.home() / ".cache" / "llm-pipeline" / "native-tests"))
-    out = root / key
-    out.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "done").exists():
-            proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
-                                  timeout=1800)
-            if proc.returncode != 0:
-                pytest.fail(f"offgraph tiny export failed:\n{proc.stderr[-4000:]}")
-    return out
 
 
 def pte_module(og_programs, name, **kw):
