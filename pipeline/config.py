@@ -158,6 +158,8 @@ class VerifyConfig:
     ])
     chat: bool = True                         # apply the tokenizer's chat template when it has one
     native: bool = True                       # also run the C++ runner: its tokens must equal the Python runtime's
+    batched: bool = False                     # offgraph: the prompts as sessions of llm_batched_runner must equal
+                                              # their single-session C++ runs (greedy)
     max_new_tokens: int = 16
     runtime: RuntimeCacheConfig = field(default_factory=RuntimeCacheConfig)
     # the .pte against the eager model with the same quantization: did export+lower preserve it?

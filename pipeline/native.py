@@ -25,6 +25,7 @@ RUNNER = BUILD_DIR / "llm_runner"
 TOKENIZER_CLI = BUILD_DIR / "tokenizer_cli"
 # llmpipe::update_and_attend.out + the off-graph cache C API, for the Python runtime (ctypes)
 KERNELS_LIB = BUILD_DIR / "libllmpipe_kernels.so"
+BATCHED_RUNNER = BUILD_DIR / "llm_batched_runner"
 
 
 class NativeError(RuntimeError):
@@ -71,7 +72,7 @@ def build_native(force: bool = False) -> Path:
                 tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
                 raise NativeBuildError(f"native build failed (native/build.sh):\n{tail}")
             # ninja does not touch up-to-date outputs: mark them fresh for _stale().
-            for binary in (RUNNER, TOKENIZER_CLI, KERNELS_LIB):
+            for binary in (RUNNER, TOKENIZER_CLI, KERNELS_LIB, BATCHED_RUNNER):
                 if binary.exists():
                     binary.touch()
     return RUNNER
@@ -151,6 +152,27 @@ def run(pte: str | os.PathLike, tokenizer: str | os.PathLike | None, *,
             raise NativeRunError("llm_runner wrote no stats", returncode=proc.returncode,
                                  stderr=proc.stderr, cmd=args)
         return json.loads(lines[-1])
+
+
+def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *, max_new_tokens: int = 32,
+                extra_args: Sequence[str] = (), timeout: float = 1800.0) -> tuple[list[dict], dict]:
+    """Greedy generations of several prompts (token ids) as sessions of llm_batched_runner on one
+    off-graph program; returns (one GEN_JSON dict per generation, in prompt order; the ENGINE_JSON dict)."""
+    runner_path()
+    with tempfile.TemporaryDirectory(prefix="llm_batched_") as tmp:
+        stats_path = Path(tmp) / "stats.jsonl"
+        args = [str(BATCHED_RUNNER), "--pte", str(pte), "--ids", "--max-new-tokens", str(int(max_new_tokens)),
+                "--stats-json", str(stats_path), "--quiet", *extra_args]
+        args += [",".join(str(int(i)) for i in ids) for ids in prompts_ids]
+        proc = _call(args, timeout)
+        records = [json.loads(ln) for ln in stats_path.read_text().splitlines() if ln.strip()] \
+            if stats_path.exists() else []
+    gens = sorted((r for r in records if "generation" in r), key=lambda r: r["generation"])
+    engine = next((r for r in records if "forwards" in r), None)
+    if engine is None or len(gens) != len(prompts_ids):
+        raise NativeRunError("llm_batched_runner wrote no complete report", returncode=proc.returncode,
+                             stderr=proc.stderr, cmd=args)
+    return gens, engine
 
 
 def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,

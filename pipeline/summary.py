@@ -48,6 +48,10 @@ def print_summary(m: dict) -> None:
         print(f"  C++ runner: tokens {'identical to' if nat['token_parity'] else 'DIFFER from'} the Python runtime, "
               f"prefill {nat['prefill_tok_s'] or 0:.0f} tok/s, decode {nat['decode_tok_s'] or 0:.1f} tok/s, "
               f"peak RSS {nat['peak_rss_mib'] or 0:.0f} MiB")
+    bat = (v or {}).get("batched")
+    if bat:
+        print(f"  batched runner: {bat['sessions']} sessions {'equal' if bat['parity'] else 'DIFFER from'} their "
+              f"single-session runs, {bat['rows_per_forward']:.2f} rows per forward")
     if m.get("pte"):
         print(f"pte: {m['pte']}")
     print(f"manifest: {m['run_manifest']}")

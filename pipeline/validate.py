@@ -76,6 +76,9 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if vc.enabled and not list(vc.prompts):
         add("verify.prompts", [], "needs at least one prompt when verify.enabled=true")
 
+    if vc.batched and (mode != CacheMode.offgraph.value or not vc.native):
+        add("verify.batched", vc.batched, f"the batched check runs llm_batched_runner on an off-graph program against "
+            f"the single-session C++ runs: needs cache.mode=offgraph (is {mode!r}) and verify.native=true")
     rt = vc.runtime
     changed = [k for k, default in (("kv_max_capacity", None), ("kv_initial_capacity", 512), ("kv_windows", None),
                                     ("kv_storage_dtype", None)) if rt[k] != default]

@@ -144,6 +144,22 @@ def native_check(ctx, ids: list[int], n: int) -> dict:
     return {"generated_ids": list(stats["generated_ids"]), **{k: stats.get(k) for k in keep}}
 
 
+def batched_check(ctx, all_ids: list[list[int]], singles: list[list[int]]) -> dict:
+    """The prompts as concurrent sessions of llm_batched_runner: each must generate what its single-session
+    C++ run generated (greedy), while sharing forwards."""
+    from pipeline import native
+    rt = ctx.cfg.verify.runtime
+    args = ["--max-session-tokens", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
+            "--kv-initial-capacity", str(rt.kv_initial_capacity)]
+    if rt.kv_storage_dtype is not None:
+        args += ["--kv-storage-dtype", v(rt.kv_storage_dtype)]
+    gens, engine = native.run_batched(ctx.inputs["lower"] / "model.pte", all_ids,
+                                      max_new_tokens=max(len(s) for s in singles), extra_args=args)
+    equal = [g["generated_ids"][:len(s)] == s for g, s in zip(gens, singles)]
+    return {"sessions": len(gens), "parity": all(equal), "equal": equal, "forwards": engine["forwards"],
+            "rows_per_forward": engine["rows_per_forward"], "decode_tok_s": engine["decode_tok_s"]}
+
+
 def run(ctx) -> dict:
     from transformers import AutoTokenizer
 
@@ -174,7 +190,7 @@ def run(ctx) -> dict:
         # what quantization itself costs (eager, same tokens): the program should cost no more
         cost = vs_float if eager_q is eager_f else \
             {"greedy_match": leading_match(flt, ref), **compare(flt_logits, teacher_forced(eager_q, ids, flt, chunk))}
-        entry = {"prompt": text, "prompt_tokens": len(ids), "reference": ref, "pte": got, "float_reference": flt,
+        entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
         found = check(same, vc.same_quant, len(ref), "vs same-quant eager") + \
@@ -202,6 +218,13 @@ def run(ctx) -> dict:
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
         } for key in ("same_quant", "vs_float") + (("quant_cost",) if eager_q is not eager_f else ())
     }
+    if vc.batched:
+        batched = batched_check(ctx, [p["prompt_ids"] for p in prompts], [p["native"]["generated_ids"] for p in prompts])
+        if not batched["parity"]:
+            problems.append({"prompt": "(all, as concurrent sessions)", "problems": [
+                f"llm_batched_runner sessions vs single-session C++ runs: tokens differ for prompts "
+                f"{[i for i, ok in enumerate(batched['equal']) if not ok]}"],
+                "reference_text": "", "pte_text": ""})
     if vc.native:
         runs = [p["native"] for p in prompts]
         summary["native"] = {
@@ -212,6 +235,8 @@ def run(ctx) -> dict:
             "cache_report": runs[0].get("cache_report"),
             "cache_bytes": max((r.get("cache_bytes") or -1) for r in runs),
         }
+    if vc.batched:
+        summary["batched"] = batched
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     ctx.info["verify_report"] = report

@@ -343,3 +343,12 @@ def test_gemma3_prefix_cache_smoke(kind, gemma3_offgraph, batched_bins, native_b
     report = {k: v == ref["generated_ids"] for k, v in outs.items()}
     print(f"[{kind}] four outputs (entries, round) vs llm_runner: {report}; text: {texts[(0, 0)]!r}")
     assert all(report.values()), {k: texts[k] for k in texts}
+
+
+def test_verify_runs_the_batched_check_when_the_recipe_asks():
+    from tests.conftest import build
+    m = build("tiny_gemma3_offgraph", "verify.batched=true")
+    assert m["status"] == "ok"
+    b = m["verify"]["batched"]
+    assert b["parity"] and b["sessions"] == 2 and b["equal"] == [True, True]
+    assert b["rows_per_forward"] > 1  # the sessions shared forwards
