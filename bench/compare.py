@@ -52,9 +52,14 @@ def work_llama_cpp(gguf: str, ids: list[int], new: int, threads: int) -> dict:
     t0 = time.perf_counter()
     llm.eval(ids)
     t1 = time.perf_counter()
+    n_vocab = llm.n_vocab()
+
+    def last_logits():  # without logits_all, llama-cpp-python leaves Llama.scores unfilled: read the context's
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
     out = []
     for _ in range(new):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(last_logits()))
         out.append(tok)
         llm.eval([tok])
     t2 = time.perf_counter()
