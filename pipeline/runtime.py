@@ -14,10 +14,8 @@ def load_kernels() -> None:
     if _kernels_loaded:
         return
     import executorch.kernels.quantized  # noqa: F401
-    try:
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
-    except Exception:  # optional: only programs with llama:: ops need it
-        pass
+    # not executorch.extension.llm.custom_ops (llama:: ops): no recipe uses them, and its import runs a bare
+    # `except:` that can swallow a Ctrl-C (bench/et_ops.py imports it for its yardstick)
     _kernels_loaded = True
 
 
