@@ -14,7 +14,7 @@ from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 LINEAR = [s.value for s in LinearScheme]
 EMBEDDING = [s.value for s in EmbeddingScheme]
 IMPLEMENTED_CACHE_MODES = {"static", "custom", "offgraph"}
-IMPLEMENTED_BACKENDS = {"xnnpack", "portable"}
+IMPLEMENTED_BACKENDS = {"xnnpack", "portable", "mlx"}
 # (scheme, backend) pairs known to produce wrong programs, with the reason; preflight refuses them.
 # (4w/8w on xnnpack were here until pipeline/backends/xnnpack_woq.py made them correct.)
 UNSAFE: dict[tuple[str, str], str] = {}
@@ -76,6 +76,9 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if vc.enabled and not list(vc.prompts):
         add("verify.prompts", [], "needs at least one prompt when verify.enabled=true")
 
+    if backend == BackendName.mlx.value and vc.enabled and vc.native:
+        add("verify.native", vc.native, "backend=mlx programs need the MLX runtime (Apple Silicon); the C++ runner "
+            "here cannot run them: set verify.native=false (verify runs them through pipeline.mlx_interpreter)")
     if vc.batched and (mode != CacheMode.offgraph.value or not vc.native):
         add("verify.batched", vc.batched, f"the batched check runs llm_batched_runner on an off-graph program against "
             f"the single-session C++ runs: needs cache.mode=offgraph (is {mode!r}) and verify.native=true")

@@ -44,6 +44,9 @@ def run(ctx) -> dict:
             log.warning("%d group-wise weight-only linears run on the portable mixed_linear kernel "
                         "(XNNPACK has none for fp32 x group-wise int weights): correct but slow; "
                         "quantize.linear_group_size=0 puts them on XNNPACK", info["mixed_linear"])
+    if v(ctx.cfg.backend.name) == "mlx":  # the attention ops the MLX delegate lowers
+        from pipeline.backends.mlx import prepare_module
+        info = prepare_module(module, v(ctx.cfg.cache.mode), ctx.cfg.export.max_context_len)
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
     torch.export.save(ep, ctx.out / "program.pt2")

@@ -2,7 +2,7 @@
 
     python -m pipeline recipe=tiny_llama_xnnpack backend=portable
 
-Backends live in BACKENDS (xnnpack, portable; mlx slots in). Writes model.pte and lower.json
+Backends live in BACKENDS (xnnpack, portable, mlx). Writes model.pte and lower.json
 (delegated vs non-delegated op counts, by op).
 """
 from __future__ import annotations
@@ -30,7 +30,12 @@ def _xnnpack():
     return [partitioner()], [split_weight_only_linear_bias]
 
 
-BACKENDS = {"xnnpack": _xnnpack, "portable": lambda: ([], [])}
+def _mlx():
+    from pipeline.backends.mlx import partitioners_and_passes
+    return partitioners_and_passes()
+
+
+BACKENDS = {"xnnpack": _xnnpack, "portable": lambda: ([], []), "mlx": _mlx}
 
 
 def special_ids(model_dir) -> tuple[int, list[int]]:
@@ -100,6 +105,9 @@ def lower(ep, backend: str, methods: dict, quant_fusion: bool):
         ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
     report = delegation_report(edge)
+    if backend == "mlx":  # the compile config of the delegate's LLM example
+        from pipeline.backends.mlx import backend_config
+        return edge.to_executorch(backend_config()), report
     et = edge.to_executorch(ExecutorchBackendConfig(
         run_reinplace_pass=True, do_quant_fusion_and_const_prop=quant_fusion))
     return et, report

@@ -37,6 +37,8 @@ def linear_config(scheme: str, group: int):
     if scheme in ("4w", "8w"):
         return IntxWeightOnlyConfig(weight_dtype=torch.int4 if scheme == "4w" else torch.int8,
                                     granularity=_granularity(group))
+    if scheme == "nvfp4":
+        return nvfp4_config()
     raise ValueError(f"quantize.linear={scheme!r}: not available on this backend")
 
 
@@ -45,7 +47,15 @@ def embedding_config(scheme: str, group: int):
     if scheme in ("4w", "8w"):
         return IntxWeightOnlyConfig(weight_dtype=torch.int4 if scheme == "4w" else torch.int8,
                                     granularity=_granularity(group))
+    if scheme == "nvfp4":
+        return nvfp4_config()
     raise ValueError(f"quantize.embedding={scheme!r}: not available on this backend")
+
+
+def nvfp4_config():
+    # fp4 (e2m1) values in groups of 16 with fp8 scales, in the exportable form the MLX delegate matches
+    from executorch.extension.llm.export.nvfp4 import ExportableNVFP4Config
+    return ExportableNVFP4Config(use_per_tensor_scale=False)
 
 
 def should_retie(model, q) -> bool:

@@ -103,18 +103,26 @@ def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
     return problems
 
 
+def runtime_cache_args(ctx) -> dict:
+    """verify.runtime: the runtime-owned cache policy an off-graph program runs under."""
+    rt = ctx.cfg.verify.runtime
+    dtype = modeling.DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None
+    return {"capacity": rt.kv_max_capacity or ctx.cfg.export.max_context_len,
+            "initial_capacity": rt.kv_initial_capacity, "kv_dtype": dtype,
+            "windows": list(rt.kv_windows) if rt.kv_windows is not None else None}
+
+
 def program_module(ctx):
     """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context, and
     both cache modes with our attention ops get our kernel library."""
     path = ctx.inputs["lower"] / "model.pte"
     mode = v(ctx.cfg.cache.mode)
+    if v(ctx.cfg.backend.name) == "mlx":  # no MLX runtime on Linux: our interpreter of the delegate payload
+        from pipeline.mlx_interpreter import MLXPteModule
+        return MLXPteModule(path, **runtime_cache_args(ctx))
     if mode == "offgraph":
         from pipeline.offgraph import OffgraphPteModule
-        rt = ctx.cfg.verify.runtime
-        dtype = modeling.DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None
-        return OffgraphPteModule(path, capacity=rt.kv_max_capacity or ctx.cfg.export.max_context_len,
-                                 initial_capacity=rt.kv_initial_capacity, kv_dtype=dtype,
-                                 windows=list(rt.kv_windows) if rt.kv_windows is not None else None)
+        return OffgraphPteModule(path, **runtime_cache_args(ctx))
     if mode == "custom":  # llmpipe::cached_attention.out lives in native/'s kernel library
         from pipeline.offgraph import load_native_kernels
         load_native_kernels()

@@ -1,0 +1,124 @@
+"""backend=mlx: ExecuTorch's MLX delegate (Apple GPUs), built here on Linux and checked with
+pipeline/mlx_interpreter.py.
+
+The wrappers of the cache modes keep their layout; only the attention op they call is switched to
+the one the MLX delegate lowers:
+- custom:   mlx::kv_cache_update on BHSD buffers [1, Hkv, slots, D] + mlx::custom_sdpa (flat layers), or
+            an explicit window/ring mask and aten SDPA (sliding layers; custom_sdpa has no window);
+- offgraph: kvcache::update_and_attend (the runtime owns the cache; the interpreter provides it).
+Lowering uses the delegate's default passes and the compile config of its LLM example.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.attention import attention_layers
+
+
+def _import_mlx():
+    from pipeline.backends import mlx_schema
+    mlx_schema.ensure()  # the wheel lacks the generated schema modules until this runs once
+    import executorch.backends.mlx  # noqa: F401  (registers mlx:: ops)
+    import executorch.backends.mlx.custom_ops  # noqa: F401
+    from executorch.extension.llm.cache import update_and_attend  # noqa: F401  (kvcache:: op)
+
+
+def partitioners_and_passes():
+    _import_mlx()
+    from executorch.backends.mlx import MLXPartitioner
+    from executorch.backends.mlx.passes import get_default_passes
+    return [MLXPartitioner()], get_default_passes()
+
+
+def backend_config():
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    return ExecutorchBackendConfig(extract_delegate_segments=True,
+                                   memory_planning_pass=MemoryPlanningPass(alloc_graph_input=True))
+
+
+# --- attention functions (HF attention interface: q/k arrive RoPE-rotated, [B,H,T,D]) -------------
+
+def _start(positions: torch.Tensor, T: int, slots: int):
+    start = positions.reshape(-1)[0].item()
+    torch._check(start >= 0)
+    torch._check(T <= slots)
+    return start
+
+
+def _ring_positions(end, slots: int) -> torch.Tensor:
+    """Logical position held by each ring slot j after writing up to `end` (exclusive); < 0 = empty."""
+    j = torch.arange(slots)
+    return j + torch.div(end - 1 - j, slots, rounding_mode="floor") * slots
+
+
+def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise RuntimeError("mlx custom attention needs position_ids (the wrapper passes positions[None])")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    T, slots, window = query.shape[2], module.k_cache.shape[2], module.kv_window
+    start = _start(positions, T, slots)
+    ring = slots if (window > 0 and slots < module.kv_context) else 0
+    torch.ops.mlx.kv_cache_update(module.k_cache, key, start, ring)
+    torch.ops.mlx.kv_cache_update(module.v_cache, value, start, ring)
+    if window == 0:
+        torch._check(start + T <= slots)
+        out = torch.ops.mlx.custom_sdpa(query, module.k_cache, module.v_cache, start, None, 0.0, True,
+                                        float(scaling))
+    else:
+        qpos = positions.reshape(-1, 1)
+        kpos = _ring_positions(qpos[-1, 0] + 1, slots).unsqueeze(0) if ring else torch.arange(slots).unsqueeze(0)
+        visible = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0)
+        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
+        group = query.shape[1] // module.k_cache.shape[1]
+        k, v = module.k_cache, module.v_cache
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=float(scaling))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mlx_offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise RuntimeError("mlx offgraph attention needs position_ids (the wrapper passes positions[None])")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = torch.ops.kvcache.update_and_attend(query, key, value, positions.reshape(-1, 1),
+                                              module._offgraph_cache_id, float(scaling), query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def prepare_module(module: nn.Module, mode: str, max_context_len: int) -> dict:
+    """Switch a wrapped module's attention to the MLX ops before torch.export; returns a report."""
+    _import_mlx()
+    from pipeline.custom_cache import CustomCacheLM
+    from pipeline.offgraph import OffgraphLM
+    if mode == "custom":
+        assert isinstance(module, CustomCacheLM)
+        for m in attention_layers(module.model):
+            # slot-major [slots, Hkv, D] -> BHSD [1, Hkv, slots, D], the layout mlx::kv_cache_update writes
+            for name in ("k_cache", "v_cache"):
+                buf = getattr(m, name)
+                m.register_buffer(name, buf.permute(1, 0, 2).unsqueeze(0).contiguous(), persistent=False)
+            m.kv_context = int(max_context_len)
+        module.__class__ = _subclass(CustomCacheLM, "mlx_custom", mlx_custom_attention)
+        return {"attention": "mlx::kv_cache_update + mlx::custom_sdpa (window layers: masked sdpa)"}
+    if mode == "offgraph":
+        assert isinstance(module, OffgraphLM)
+        module.__class__ = _subclass(OffgraphLM, "mlx_offgraph", mlx_offgraph_attention)
+        return {"attention": "kvcache::update_and_attend"}
+    return {"attention": "HF sdpa over a static cache"}
+
+
+_SUBCLASSES: dict = {}
+
+
+def _subclass(base: type, impl: str, fn) -> type:
+    if (base, impl) not in _SUBCLASSES:
+        _SUBCLASSES[(base, impl)] = type(f"MLX{base.__name__}", (base,),
+                                         {"ATTN_IMPL": impl, "attention_fn": staticmethod(fn)})
+    return _SUBCLASSES[(base, impl)]
