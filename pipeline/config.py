@@ -161,6 +161,9 @@ class VerifyConfig:
     batched: bool = False                     # offgraph: the prompts as sessions of llm_batched_runner must equal
                                               # their single-session C++ runs (greedy)
     max_new_tokens: int = 16
+    # backend=mlx: an instruction the interpreter cannot run makes verify's status `unsupported: <op>`;
+    # true fails the gate (the default), false records the status and skips the checks
+    fail_on_unsupported: bool = True
     runtime: RuntimeCacheConfig = field(default_factory=RuntimeCacheConfig)
     # the .pte against the eager model with the same quantization: did export+lower preserve it?
     same_quant: Thresholds = field(default_factory=lambda: Thresholds(

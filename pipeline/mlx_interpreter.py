@@ -303,13 +303,14 @@ class Interpreter:
 
     def op_FullNode(self, n, st):
         mx = _mx()
-        st.t[_tid(n["out"])] = mx.full(st.ints(n["shape"]), st.float(n["v"]), dtype=mx_dtype(n["scalar_type"]))
+        # mx.full ignores dtype= for a Python scalar fill: cast after
+        st.t[_tid(n["out"])] = mx.full(st.ints(n["shape"]), st.float(n["v"])).astype(mx_dtype(n["scalar_type"]))
 
     def op_FullLikeNode(self, n, st):
         mx = _mx()
         x = st.tensor(n["x"])
         dtype = mx_dtype(n["scalar_type"]) if n.get("scalar_type") is not None else x.dtype
-        st.t[_tid(n["out"])] = mx.full(x.shape, st.float(n["v"]), dtype=dtype)
+        st.t[_tid(n["out"])] = mx.full(x.shape, st.float(n["v"])).astype(dtype)
 
     # --- in-place updates (mutable buffers) --------------------------------------------------
     def op_SliceUpdateNode(self, n, st):
@@ -692,7 +693,9 @@ class MLXProgram:
         if not buf:  # the constant segment
             seg = self.program.constant_segment
             raise UnsupportedInstruction("constant method tensor in a segment", str(seg))
-        return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(list(t.sizes)).clone()
+        numel = int(np.prod(list(t.sizes))) if len(t.sizes) else 1
+        data = bytearray(buf[:numel * torch.empty((), dtype=dtype).element_size()])  # storage is padded
+        return torch.frombuffer(data, dtype=dtype).reshape(list(t.sizes)).clone()
 
     def execute(self, interp: Interpreter, inputs: Sequence) -> list:
         values: dict = {i: x for i, x in zip(self.plan.inputs, inputs)}

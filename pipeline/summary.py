@@ -34,6 +34,10 @@ def print_summary(m: dict) -> None:
     if lower:
         mt = lower["metrics"]
         print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}")
+        outside = {op: c["non_delegated"] for op, c in (mt.get("delegation_by_op") or {}).items()
+                   if c["non_delegated"] and op != "getitem"}
+        if outside:
+            print(f"  outside the delegate, by op: {outside}")
     v = m.get("verify")
     if v:
         for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager"),
@@ -43,6 +47,10 @@ def print_summary(m: dict) -> None:
                 continue
             print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
                   f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
+    if v and v.get("runner"):
+        print(f"  verify ran on {v['runner']}; ExecuTorch MLX runtime: {v.get('mlx_runtime')}")
+    if v and str(v.get("status", "")).startswith("unsupported"):
+        print(f"  verify status: {v['status']} (checks skipped)")
     nat = (v or {}).get("native")
     if nat:
         print(f"  C++ runner: tokens {'identical to' if nat['token_parity'] else 'DIFFER from'} the Python runtime, "

@@ -126,4 +126,5 @@ def run(ctx) -> dict:
     report["constant_methods"] = methods
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
-            "non_delegated_nodes": report["non_delegated_nodes"]}
+            "non_delegated_nodes": report["non_delegated_nodes"],
+            "delegated_subgraphs": report["delegated_subgraphs"], "delegation_by_op": report["by_op"]}

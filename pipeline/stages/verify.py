@@ -168,6 +168,42 @@ def batched_check(ctx, all_ids: list[list[int]], singles: list[list[int]]) -> di
             "rows_per_forward": engine["rows_per_forward"], "decode_tok_s": engine["decode_tok_s"]}
 
 
+def _unsupported(err: Exception):
+    from pipeline.mlx_interpreter import UnsupportedInstruction
+    return err if isinstance(err, UnsupportedInstruction) else None
+
+
+def _mlx_version() -> str:
+    import importlib.metadata as md
+    return md.version("mlx")
+
+
+def unsupported_status(ctx, err) -> dict:
+    """An instruction the interpreter has no handler for: never a silent pass."""
+    status = f"unsupported: {err.op}"
+    report = {"prompts": [], "summary": {"status": status}, "problems": [{"prompt": "(program)",
+              "problems": [str(err)], "reference_text": "", "pte_text": ""}], "passed": False}
+    (ctx.out / "report.json").write_text(json.dumps(report, indent=2))
+    ctx.info["verify_report"] = report
+    if ctx.cfg.verify.fail_on_unsupported:
+        raise VerifyFailed(f"verify gate failed: {status}: pipeline.mlx_interpreter cannot run this program "
+                           f"(verify.fail_on_unsupported=false records it and skips the checks)")
+    log.warning("verify %s: checks skipped (verify.fail_on_unsupported=false)", status)
+    return {"status": status}
+
+
+def mlx_runtime_module(ctx):
+    """The real ExecuTorch MLX runtime, when this ExecuTorch build registers MLXBackend (Apple Silicon)."""
+    if v(ctx.cfg.backend.name) != "mlx":
+        return None
+    from executorch.runtime import Runtime
+    if not Runtime.get().backend_registry.is_available("MLXBackend"):
+        return None
+    if v(ctx.cfg.cache.mode) == "offgraph":  # its cache is installed by the MLX runner, not the Python runtime
+        return None
+    return PteModule(ctx.inputs["lower"] / "model.pte")
+
+
 def run(ctx) -> dict:
     from transformers import AutoTokenizer
 
@@ -181,7 +217,14 @@ def run(ctx) -> dict:
         eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
         eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
             torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-        pte = program_module(ctx)
+        try:
+            pte = program_module(ctx)
+        except Exception as err:
+            unsupported = _unsupported(err)
+            if unsupported is None:
+                raise
+            return unsupported_status(ctx, unsupported)
+    mac_runtime = mlx_runtime_module(ctx)
     prompts, problems = [], []
     for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
         ids = prompt_ids(tok, text, vc.chat)
@@ -190,7 +233,13 @@ def run(ctx) -> dict:
         if n < 1:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
         ref, ref_logits = greedy(eager_q, ids, n, chunk, eos)
-        got, _ = greedy(pte, ids, n, chunk, eos)
+        try:
+            got, _ = greedy(pte, ids, n, chunk, eos)
+        except Exception as err:
+            unsupported = _unsupported(err)
+            if unsupported is None:
+                raise
+            return unsupported_status(ctx, unsupported)
         same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, teacher_forced(pte, ids, ref, chunk))}
         flt, flt_logits = greedy(eager_f, ids, n, chunk, eos)
         vs_float = {"greedy_match": leading_match(flt, got),
@@ -207,6 +256,10 @@ def run(ctx) -> dict:
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:  # 1e-3: noise floor near 0
             found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
                          f"{cost['kld']:.4g}")
+        if mac_runtime is not None:  # on a Mac: the real MLX runtime must agree with the interpreter
+            entry["mlx_runtime"] = {"generated_ids": greedy(mac_runtime, ids, n, chunk, eos)[0]}
+            if entry["mlx_runtime"]["generated_ids"] != got:
+                found.append("ExecuTorch MLX runtime vs pipeline.mlx_interpreter: tokens differ")
         if vc.native:
             entry["native"] = native_check(ctx, ids, n)
             if entry["native"]["generated_ids"] != got:
@@ -245,6 +298,11 @@ def run(ctx) -> dict:
         }
     if vc.batched:
         summary["batched"] = batched
+    if v(ctx.cfg.backend.name) == "mlx":
+        summary["runner"] = "pipeline.mlx_interpreter (mlx " + _mlx_version() + ", CPU)"
+        summary["mlx_runtime"] = "compared" if mac_runtime is not None else \
+            "not registered in this ExecuTorch build (MLXBackend needs Apple Silicon)"
+        summary["status"] = "ok"
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     ctx.info["verify_report"] = report

@@ -1,0 +1,158 @@
+"""backend=mlx: lowering through the MLX delegate here, and verify through pipeline.mlx_interpreter.
+
+Tiny random models of both architectures, every cache mode and quantization scheme the MLX recipes
+use; the real-model builds are in test_e2e_mlx.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build, run_cli
+from pipeline import modeling
+from pipeline.paths import ROOT
+
+
+def _stage(m, name):
+    return next(s for s in m["stages"] if s["name"] == name)
+
+
+def test_mlx_delegate_imports_after_schema_generation():
+    from pipeline.backends import mlx_schema
+    mlx_schema.ensure()
+    assert mlx_schema.is_generated()
+    from executorch.backends.mlx import MLXPartitioner  # noqa: F401
+
+
+CASES = {
+    "llama custom (tiny_llama_mlx)": ("tiny_llama_mlx",),
+    "llama custom int4 (tiny_llama_mlx_int4)": ("tiny_llama_mlx_int4",),
+    "gemma3 offgraph (tiny_gemma3_mlx_offgraph)": ("tiny_gemma3_mlx_offgraph",),
+    "llama static": ("tiny_llama_mlx", "cache=static"),
+    "gemma3 static": ("tiny_gemma3_mlx_offgraph", "cache=static"),
+    "gemma3 custom, rings": ("tiny_gemma3_mlx_offgraph", "cache=custom"),
+    "llama 8w per channel": ("tiny_llama_mlx", "quantize=8w", "quantize.linear_group_size=0",
+                             "quantize.embedding_group_size=0"),
+    "llama nvfp4": ("tiny_llama_mlx", "quantize=nvfp4"),
+    "gemma3 offgraph 4w": ("tiny_gemma3_mlx_offgraph", "quantize=4w"),
+}
+
+
+@pytest.fixture(scope="module")
+def built():
+    return {name: build(*args) for name, args in CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_builds_fully_delegated_and_verifies_exactly(built, name):
+    m = built[name]
+    assert m["status"] == "ok", m.get("error")
+    lower = _stage(m, "lower")["metrics"]
+    # the delegation report, by op, is in the manifest: everything but the delegate's getitem is inside
+    by_op = lower["delegation_by_op"]
+    assert by_op and all(c["non_delegated"] == 0 for op, c in by_op.items() if op != "getitem"), by_op
+    assert lower["delegated_subgraphs"] == 1
+    v = m["verify"]
+    assert v["runner"].startswith("pipeline.mlx_interpreter")
+    assert v["status"] == "ok"
+    same = v["same_quant"]
+    assert same["greedy_match"] == same["greedy_total"] > 0
+    assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
+
+
+def test_quantized_programs_use_mlx_quantized_kernels(built):
+    from pipeline.mlx_interpreter import MLXProgram
+    for name, bits in (("llama custom int4 (tiny_llama_mlx_int4)", 4), ("llama nvfp4", 4),
+                       ("llama 8w per channel", 8)):
+        ops = MLXProgram(built[name]["pte"]).ops()
+        assert "QuantizedMatmulNode" in ops, name          # linears stay packed
+        assert "AddmmNode" not in ops, name
+    float_ops = MLXProgram(built["llama custom (tiny_llama_mlx)"]["pte"]).ops()
+    assert "QuantizedMatmulNode" not in float_ops
+
+
+def test_interpreter_covers_every_instruction_of_the_mlx_recipes(built):
+    """Every MLX recipe (real ones included: the same architectures, modes and schemes as these tiny
+    builds) emits only instructions the interpreter has a handler for."""
+    from pipeline.mlx_interpreter import Interpreter, MLXProgram
+    seen: dict[str, set] = {}
+    for name, m in built.items():
+        for op in MLXProgram(m["pte"]).ops():
+            seen.setdefault(op, set()).add(name)
+    uncovered = {op: sorted(where) for op, where in seen.items() if not Interpreter.covers(op)}
+    assert not uncovered, f"instructions without an interpreter handler: {uncovered}"
+    assert {"UpdateAndAttendNode", "SdpaNode", "QuantizedMatmulNode", "SliceUpdateNode", "RMSNormNode"} <= set(seen)
+
+
+def test_every_mlx_recipe_has_a_tiny_twin_covered_here():
+    """The coverage test above stands for the real recipes through their tiny twins."""
+    real = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")
+                  if "backend: mlx" in p.read_text() and not p.stem.startswith("tiny_"))
+    assert set(real) >= {"llama_mlx", "llama_mlx_int4", "gemma3_mlx_offgraph"}
+    tiny = {args[0] for args in CASES.values()}
+    assert all(f"tiny_{r}" in tiny for r in real), (real, tiny)
+
+
+def _eager_and_program(m):
+    eager = torch.load(Path(_stage(m, "quantize")["path"]) / "module.pt", weights_only=False)
+    from pipeline.mlx_interpreter import MLXPteModule
+    return eager, MLXPteModule(m["pte"])
+
+
+@pytest.mark.parametrize("name", ["gemma3 offgraph (tiny_gemma3_mlx_offgraph)", "gemma3 custom, rings"])
+def test_past_the_window_the_rings_wrap_and_match_eager(built, name):
+    """Window 16, chunk 8: rings of 23 slots in a context of 64; 56 tokens wrap them twice."""
+    eager, prog = _eager_and_program(built[name])
+    ids = torch.randint(3, 512, (56,), generator=torch.Generator().manual_seed(1)).tolist()
+    eager.reset()
+    prog.reset()
+    errs = []
+    for start in range(0, 40, 8):  # chunked prefill
+        piece = ids[start:start + 8]
+        errs.append((modeling.run_sequence(eager, piece, 8, start=start)
+                     - modeling.run_sequence(prog, piece, 8, start=start)).abs().max().item())
+    for i in range(40, 56):  # decode
+        errs.append((modeling.run_sequence(eager, [ids[i]], 1, start=i)
+                     - modeling.run_sequence(prog, [ids[i]], 1, start=i)).abs().max().item())
+    assert max(errs) < 1e-4, errs
+
+
+def test_offgraph_program_rewinds_like_the_runners(built):
+    eager, prog = _eager_and_program(built["gemma3 offgraph (tiny_gemma3_mlx_offgraph)"])
+    ids = list(range(10, 30))
+    a = modeling.run_sequence(prog, ids, 8)
+    modeling.run_sequence(prog, [7, 8, 9], 1, start=len(ids))
+    b = modeling.run_sequence(prog, ids[12:], 8, start=12)  # rewind to 12 and redo the tail
+    assert torch.equal(a, b)
+    assert prog.cache.length == len(ids)
+
+
+def test_an_instruction_without_a_handler_fails_the_gate(built, monkeypatch, tmp_path):
+    """A program the interpreter cannot fully run is `unsupported: <op>`, a failed gate, never a pass."""
+    from pipeline import mlx_interpreter
+    from pipeline.mlx_interpreter import MLXPteModule, UnsupportedInstruction
+    m = built["llama custom (tiny_llama_mlx)"]
+    monkeypatch.delattr(mlx_interpreter.Interpreter, "op_RMSNormNode")
+    prog = MLXPteModule(m["pte"])
+    with pytest.raises(UnsupportedInstruction, match="unsupported: RMSNormNode"):
+        prog(torch.tensor([[1, 2]]), torch.arange(2))
+    assert mlx_interpreter.coverage(m["pte"])["uncovered"] == ["RMSNormNode"]
+
+    # through the verify stage (a verify key of its own, so it re-runs): the gate fails by default...
+    from pipeline.errors import StageError
+    with pytest.raises(StageError, match="unsupported: RMSNormNode"):
+        build("tiny_llama_mlx", "verify.max_new_tokens=3")
+    # ...and with verify.fail_on_unsupported=false the status is recorded, the checks skipped
+    recorded = build("tiny_llama_mlx", "verify.max_new_tokens=3", "verify.fail_on_unsupported=false")
+    assert recorded["status"] == "ok"
+    assert recorded["verify"]["status"] == "unsupported: RMSNormNode"
+    assert "same_quant" not in recorded["verify"]
+
+
+def test_mlx_with_the_cpp_runner_is_refused_before_any_work():
+    r = run_cli("recipe=tiny_llama_mlx", "verify.native=true")
+    assert r.returncode == 2
+    assert "verify.native" in r.stderr and "backend=mlx" in r.stderr
