@@ -5,7 +5,6 @@ use; the real-model builds are in test_e2e_mlx.py.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest

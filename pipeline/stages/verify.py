@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from pipeline import modeling
 from pipeline.config import v
 from pipeline.progress import bar, spinner
+from pipeline.mlx_interpreter import UnsupportedInstruction
 from pipeline.runtime import PteModule
 
 NAME, VERSION = "verify", 1
@@ -168,11 +169,6 @@ def batched_check(ctx, all_ids: list[list[int]], singles: list[list[int]]) -> di
             "rows_per_forward": engine["rows_per_forward"], "decode_tok_s": engine["decode_tok_s"]}
 
 
-def _unsupported(err: Exception):
-    from pipeline.mlx_interpreter import UnsupportedInstruction
-    return err if isinstance(err, UnsupportedInstruction) else None
-
-
 def _mlx_version() -> str:
     import importlib.metadata as md
     return md.version("mlx")
@@ -204,27 +200,9 @@ def mlx_runtime_module(ctx):
     return PteModule(ctx.inputs["lower"] / "model.pte")
 
 
-def run(ctx) -> dict:
-    from transformers import AutoTokenizer
-
+def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime) -> tuple[list, list]:
+    """Each prompt: the program against both eager references (and the other runtimes that apply)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
-    tok = AutoTokenizer.from_pretrained(ctx.inputs["download"] / "model")
-    # the stop set the program publishes (get_eos_ids), the same one the C++ runner uses
-    lowered = json.loads((ctx.inputs["lower"] / "lower.json").read_text())
-    eos = set(lowered["constant_methods"]["get_eos_ids"])
-    quantized = json.loads((ctx.inputs["quantize"] / "quantize.json").read_text())
-    with spinner("load eager references and the program", ctx.progress):
-        eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
-        eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
-            torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-        try:
-            pte = program_module(ctx)
-        except Exception as err:
-            unsupported = _unsupported(err)
-            if unsupported is None:
-                raise
-            return unsupported_status(ctx, unsupported)
-    mac_runtime = mlx_runtime_module(ctx)
     prompts, problems = [], []
     for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
         ids = prompt_ids(tok, text, vc.chat)
@@ -233,13 +211,7 @@ def run(ctx) -> dict:
         if n < 1:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
         ref, ref_logits = greedy(eager_q, ids, n, chunk, eos)
-        try:
-            got, _ = greedy(pte, ids, n, chunk, eos)
-        except Exception as err:
-            unsupported = _unsupported(err)
-            if unsupported is None:
-                raise
-            return unsupported_status(ctx, unsupported)
+        got, _ = greedy(pte, ids, n, chunk, eos)
         same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, teacher_forced(pte, ids, ref, chunk))}
         flt, flt_logits = greedy(eager_f, ids, n, chunk, eos)
         vs_float = {"greedy_match": leading_match(flt, got),
@@ -270,6 +242,31 @@ def run(ctx) -> dict:
             problems.append({"prompt": text, "problems": found, "reference_text": entry["reference_text"],
                              "pte_text": entry["pte_text"]})
         prompts.append(entry)
+    return prompts, problems
+
+
+def run(ctx) -> dict:
+    from transformers import AutoTokenizer
+
+    vc = ctx.cfg.verify
+    tok = AutoTokenizer.from_pretrained(ctx.inputs["download"] / "model")
+    # the stop set the program publishes (get_eos_ids), the same one the C++ runner uses
+    lowered = json.loads((ctx.inputs["lower"] / "lower.json").read_text())
+    eos = set(lowered["constant_methods"]["get_eos_ids"])
+    quantized = json.loads((ctx.inputs["quantize"] / "quantize.json").read_text())
+    with spinner("load eager references and the program", ctx.progress):
+        eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
+        eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
+            torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+        try:
+            pte = program_module(ctx)
+        except UnsupportedInstruction as err:
+            return unsupported_status(ctx, err)
+    mac_runtime = mlx_runtime_module(ctx)
+    try:
+        prompts, problems = check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime)
+    except UnsupportedInstruction as err:
+        return unsupported_status(ctx, err)
     summary = {
         key: {
             "greedy_match": sum(p[key]["greedy_match"] for p in prompts),
