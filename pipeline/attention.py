@@ -66,6 +66,28 @@ def attend_gathered(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos: int,
     return torch.matmul(torch.softmax(scores, -1), V).unsqueeze(0).to(out_dtype)  # [1,Hq,T,Dv]
 
 
+def define_op(namespace: str, name: str, args: str, out_alias: str, eager, fake):
+    """Register `namespace::name(args) -> Tensor` and the `.out` variant that ExecuTorch's to_executorch
+    calls (eager: compute, then copy into out; fake: out itself). Returns the library: keep it alive."""
+    lib = torch.library.Library(namespace, "FRAGMENT")
+    lib.define(f"{name}({args}) -> Tensor")
+    lib.define(f"{name}.out({args}, *, Tensor({out_alias}!) out) -> Tensor({out_alias}!)")
+
+    def eager_out(*a, out):
+        res = eager(*a)
+        out.resize_(res.shape)
+        return out.copy_(res)
+
+    def fake_out(*a, out):
+        return out
+
+    lib.impl(name, eager, "CompositeExplicitAutograd")
+    lib.impl(f"{name}.out", eager_out, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
+    torch.library.register_fake(f"{namespace}::{name}.out", fake_out, lib=lib)
+    return lib
+
+
 def attention_layers(model: nn.Module) -> list[nn.Module]:
     """The HF attention modules (they carry layer_idx and an o_proj), checked against the config."""
     layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]

@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.attention import HookedAttentionLM, attend_gathered, attention_layers, check_step, ring_runs
+from pipeline.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+                                ring_runs)
 from pipeline.offgraph import cache_layout
 
 NAMESPACE = "llmpipe"
@@ -56,31 +57,15 @@ def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale
 
 
 def _define() -> None:
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    args = "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, int window, " \
-           "float scale"
-    lib.define(f"{OP_NAME}({args}) -> Tensor")
-    lib.define(f"{OP_NAME}.out({args}, *, Tensor(c!) out) -> Tensor(c!)")
-
     def eager(q, k, v, k_cache, v_cache, position, window, scale):
         return cached_attention_ref(q, k, v, k_cache, v_cache, position, int(window), float(scale))
-
-    def eager_out(q, k, v, k_cache, v_cache, position, window, scale, *, out):
-        res = eager(q, k, v, k_cache, v_cache, position, window, scale)
-        out.resize_(res.shape)
-        return out.copy_(res)
 
     def fake(q, k, v, k_cache, v_cache, position, window, scale):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
-    def fake_out(q, k, v, k_cache, v_cache, position, window, scale, *, out):
-        return out
-
-    lib.impl(OP_NAME, eager, "CompositeExplicitAutograd")
-    lib.impl(f"{OP_NAME}.out", eager_out, "CompositeExplicitAutograd")
-    torch.library.register_fake(QUALNAME, fake, lib=lib)
-    torch.library.register_fake(f"{QUALNAME}.out", fake_out, lib=lib)
-    globals()["_LIB"] = lib  # keep the registrations alive
+    globals()["_LIB"] = define_op(
+        NAMESPACE, OP_NAME, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, "
+        "int window, float scale", "c", eager, fake)
 
 
 if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):

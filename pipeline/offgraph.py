@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pipeline.attention import HookedAttentionLM, attend_gathered, attention_layers, check_step, ring_runs
+from pipeline.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+                                ring_runs)
 
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
@@ -248,12 +249,6 @@ def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float,
 
 
 def _define() -> None:
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    lib.define(f"{OP_NAME}(Tensor q, Tensor k, Tensor v, Tensor position, int cache_id, float scale, "
-               "ScalarType out_dtype) -> Tensor")
-    lib.define(f"{OP_NAME}.out(Tensor q, Tensor k, Tensor v, Tensor position, int cache_id, float scale, "
-               "ScalarType out_dtype, *, Tensor(a!) out) -> Tensor(a!)")
-
     def eager(q, k, v, position, cache_id, scale, out_dtype):
         cache = _BOUND
         if cache is None:
@@ -262,23 +257,12 @@ def _define() -> None:
                 "before running the model)")
         return attend(cache, q, k, v, position, int(cache_id), float(scale), out_dtype)
 
-    def eager_out(q, k, v, position, cache_id, scale, out_dtype, *, out):
-        res = eager(q, k, v, position, cache_id, scale, out_dtype)
-        out.resize_(res.shape)
-        out.copy_(res)
-        return out
-
     def fake(q, k, v, position, cache_id, scale, out_dtype):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=out_dtype)
 
-    def fake_out(q, k, v, position, cache_id, scale, out_dtype, *, out):
-        return out
-
-    lib.impl(OP_NAME, eager, "CompositeExplicitAutograd")
-    lib.impl(f"{OP_NAME}.out", eager_out, "CompositeExplicitAutograd")
-    torch.library.register_fake(QUALNAME, fake, lib=lib)
-    torch.library.register_fake(f"{QUALNAME}.out", fake_out, lib=lib)
-    globals()["_LIB"] = lib  # keep the registrations alive
+    globals()["_LIB"] = define_op(
+        NAMESPACE, OP_NAME, "Tensor q, Tensor k, Tensor v, Tensor position, int cache_id, float scale, "
+        "ScalarType out_dtype", "a", eager, fake)
 
 
 if not hasattr(torch.ops, NAMESPACE) or not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
