@@ -104,11 +104,15 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
     lin, emb = v(q.linear), v(q.embedding)
     done = {"applied_by": "pipeline quantize stage (torchao), before the handover", "exporter_quantizer": None,
             "linear": lin, "embedding": emb, "linear_forms": {}, "quantized_embeddings": 0}
-    if backend == "xnnpack" and lin in ("4w", "8w"):
+    if lin in ("4w", "8w"):  # the stock partitioner would drop their scales (pipeline/backends/xnnpack_woq.py)
         from pipeline.backends.xnnpack_woq import prepare_weight_only_linears
-        done["linear_forms"] = prepare_weight_only_linears(model, 4 if lin == "4w" else 8)
+        forms = prepare_weight_only_linears(model, 4 if lin == "4w" else 8)
+        # the exporter's stock partitioner delegates neither form: both run on portable kernels (correct, slower;
+        # the delegation report in hf_export.json / lower.json shows it)
+        done["linear_forms"] = {"quantized_decomposed::dequantize_per_channel + linear": forms["xnnpack_per_channel"],
+                                "quantized_decomposed::mixed_linear": forms["mixed_linear"]}
     elif lin == "8da4w":
-        done["linear_forms"] = {"torchao_8da4w (XNNPACK dynamically quantized linear)":
+        done["linear_forms"] = {"torchao 8da4w (XNNPACK dynamically quantized linear)":
                                 sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))}
     if emb in ("4w", "8w"):
         done["quantized_embeddings"] = quantized_embeddings(model, 4 if emb == "4w" else 8)
@@ -156,12 +160,15 @@ def dynamic_shapes(inputs: dict, tokens) -> dict:
 
 
 def delegation(program) -> dict:
+    """Delegated vs not, by op. The exporter hands back the program after to_executorch (the native route counts
+    the edge program), so memory planning's `alloc` nodes are left out to keep the figures comparable."""
     from executorch.devtools.backend_debug import get_delegation_info
     info = get_delegation_info(program.exported_program().graph_module)
-    return {"delegated_subgraphs": info.num_delegated_subgraphs, "delegated_nodes": info.num_delegated_nodes,
-            "non_delegated_nodes": info.num_non_delegated_nodes,
-            "by_op": {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
-                      for op, b in sorted(info.delegation_by_operator.items())}}
+    by_op = {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
+             for op, b in sorted(info.delegation_by_operator.items()) if op != "alloc"}
+    return {"delegated_subgraphs": info.num_delegated_subgraphs,
+            "delegated_nodes": sum(b["delegated"] for b in by_op.values()),
+            "non_delegated_nodes": sum(b["non_delegated"] for b in by_op.values()), "by_op": by_op}
 
 
 def export_stage(ctx) -> dict:

@@ -123,9 +123,9 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
 HF_EXPORTER_BACKENDS = ["xnnpack"]
 HF_EXPORTER_WHY_NOT = {
     "portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)",
-    "mlx": "the exporter's mlx backend refuses a StaticCache (it exports a growing DynamicCache instead, another "
-           "program I/O), and an MLX program cannot run in this machine's ExecuTorch runtime (MLXBackend is not "
-           "registered on Linux), so verify could not run it",
+    "mlx": "the exporter's mlx backend refuses a StaticCache ('StaticCache is not supported by the ExecuTorch MLX "
+           "backend'); with a growing DynamicCache it lowers here, but the program cannot load in this machine's "
+           "ExecuTorch runtime ('Backend MLXBackend is not registered' on Linux), so verify could not run it",
 }
 
 
