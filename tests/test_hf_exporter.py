@@ -109,6 +109,16 @@ def test_quantized_handover_verifies(scheme):
         assert m["verify"]["same_quant"]["max_logit_err"] < 1e-4
 
 
+def test_sweep_row_sizes_the_pair(built, tmp_path):
+    from pipeline.sweep_report import job_row
+    job = tmp_path / "job0"
+    job.mkdir()
+    (job / "manifest.json").write_text(Path(built["run_manifest"]).read_text())
+    row = job_row(job)
+    total = sum(Path(p).stat().st_size for p in built["programs"].values())
+    assert row["status"] == "ok" and row["pte_mib"] == round(total / 2**20, 1) and row["token_match"]
+
+
 # --- bad input: refused before any work, one message naming key, value and what is allowed -------------------
 
 def test_unknown_exporter_is_rejected_by_hydra_with_the_allowed_values():
