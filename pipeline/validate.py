@@ -124,8 +124,9 @@ HF_EXPORTER_BACKENDS = ["xnnpack"]
 HF_EXPORTER_WHY_NOT = {
     "portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)",
     "mlx": "the exporter's mlx backend refuses a StaticCache ('StaticCache is not supported by the ExecuTorch MLX "
-           "backend'); with a growing DynamicCache it lowers here, but the program cannot load in this machine's "
-           "ExecuTorch runtime ('Backend MLXBackend is not registered' on Linux), so verify could not run it",
+           "backend'); with a DynamicCache it lowers here, but that layout (a cache that grows every call) is not "
+           "what pipeline/hf_runtime.py runs, and ExecuTorch's runtime here cannot load it ('Backend MLXBackend is "
+           "not registered' on Linux)",
 }
 
 
