@@ -57,6 +57,12 @@ class LogitsMode(str, Enum):
     last = "last"
 
 
+class Exporter(str, Enum):
+    native = "native"                # wrap -> torch.export -> lower: one runner-layout program (model.pte)
+    transformers = "transformers"    # transformers.exporters.ExecutorchExporter: prefill.pte + decode.pte,
+                                     # KV cache as program input/output (pipeline/hf_exporter.py)
+
+
 class BackendName(str, Enum):
     xnnpack = "xnnpack"
     portable = "portable"
@@ -122,6 +128,7 @@ class ExportConfig:
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.last
     strict: bool = True
+    exporter: Exporter = Exporter.native      # who exports and lowers; `transformers`: see pipeline/hf_exporter.py
 
 
 @dataclass

@@ -216,6 +216,10 @@ def _finish_manifest(manifest: dict, entries: dict) -> None:
         manifest["tokenizer"] = str(entries["download"] / "model" / "tokenizer.json")
     if "lower" in entries:
         manifest["pte"] = str(entries["lower"] / "model.pte")
+        if not (entries["lower"] / "model.pte").exists() and (entries["lower"] / "export.json").exists():
+            # export.exporter=transformers: the entry is an ExportedModel.from_pretrained folder of two programs
+            manifest["pte"] = str(entries["lower"])
+            manifest["programs"] = {n: str(entries["lower"] / f"{n}.pte") for n in ("prefill", "decode")}
     verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
     if verify:
         manifest["verify"] = verify["metrics"]

@@ -60,6 +60,9 @@ def print_summary(m: dict) -> None:
     if bat:
         print(f"  batched runner: {bat['sessions']} sessions {'equal' if bat['parity'] else 'DIFFER from'} their "
               f"single-session runs, {bat['rows_per_forward']:.2f} rows per forward")
+    if m.get("programs"):  # export.exporter=transformers: two programs, KV cache as program I/O
+        print("  programs: " + ", ".join(f"{n} {_size(Path(p).stat().st_size)}" for n, p in m["programs"].items())
+              + " (transformers.exporters layout; ExportedModel.from_pretrained(pte folder))")
     if m.get("pte"):
         print(f"pte: {m['pte']}")
     print(f"manifest: {m['run_manifest']}")

@@ -35,7 +35,9 @@ def job_row(job_dir: Path) -> dict:
     if m.get("error"):
         row["error"] = " ".join(ln.strip() for ln in m["error"].splitlines() if ln.strip())[:300]
     stages = {s["name"]: s for s in m.get("stages", [])}
-    if m.get("pte") and Path(m["pte"]).exists():
+    if m.get("programs"):  # export.exporter=transformers: prefill.pte + decode.pte (weights in both)
+        row["pte_mib"] = round(sum(Path(p).stat().st_size for p in m["programs"].values()) / 2**20, 1)
+    elif m.get("pte") and Path(m["pte"]).exists():
         row["pte_mib"] = round(Path(m["pte"]).stat().st_size / 2**20, 1)
     built = [stages[n].get("built_seconds") for n in ("export", "lower") if n in stages]
     if built and all(b is not None for b in built):

@@ -97,6 +97,8 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
         add("verify.runtime.kv_windows", list(rt.kv_windows),
             "a non-empty list of windows >= 0 (0 = flat), repeated over the caches")
 
+    problems += hf_exporter_problems(cfg)
+
     from pipeline.stages import ORDER
     if cfg.run.until is not None and cfg.run.until not in ORDER:
         add("run.until", cfg.run.until, f"allowed: {list(ORDER)}")
@@ -114,9 +116,62 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
         add(_source_key(cfg.model), _source_value(cfg.model), str(err).split(": ", 1)[-1])
     if geometry is not None:
         problems += geometry_problems(cfg, geometry)
+        problems += hf_exporter_geometry_problems(cfg, geometry)
     if problems:
         raise ConfigError(problems)
     return geometry
+
+
+# --- export.exporter=transformers (pipeline/hf_exporter.py, pipeline/hf_runtime.py) --------------------------------
+HF_EXPORTER_BACKENDS = ["xnnpack"]
+HF_EXPORTER_WHY_NOT = {
+    "portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)",
+    "mlx": "the exporter's mlx backend refuses a StaticCache ('StaticCache is not supported by the ExecuTorch MLX "
+           "backend'); with a DynamicCache it lowers here, but that layout (a cache that grows every call) is not "
+           "what pipeline/hf_runtime.py runs, and ExecuTorch's runtime here cannot load it ('Backend MLXBackend is "
+           "not registered' on Linux)",
+}
+
+
+def hf_exporter_problems(cfg) -> list[tuple[str, object, str]]:
+    """What the transformers.exporters route can build and verify; nothing for export.exporter=native."""
+    e, b, c, vc = cfg.export, cfg.backend, cfg.cache, cfg.verify
+    if v(e.exporter) != "transformers":
+        return []
+    out = []
+    route = "with export.exporter=transformers"
+    backend = v(b.name)
+    if backend not in HF_EXPORTER_BACKENDS:
+        out.append(("backend.name", backend, f"{route} allowed: {HF_EXPORTER_BACKENDS} "
+                                             f"({HF_EXPORTER_WHY_NOT.get(backend, 'not supported')})"))
+    if v(c.mode) != CacheMode.static.value:
+        out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own StaticCache, "
+                                             "passed in and out of the programs; custom/offgraph are the native route's)"))
+    if vc.native:
+        out.append(("verify.native", vc.native, f"{route} allowed: [false]: the C++ runner runs the native one-program "
+                                               "layout and cannot load prefill.pte + decode.pte with the KV cache as "
+                                               "program input/output; verify runs them in the Python runtime"))
+    if v(e.logits_mode) != "full":
+        out.append(("export.logits_mode", v(e.logits_mode), f"{route} allowed: ['full'] (the exporter drops "
+                                                            "logits_to_keep: prefill returns every row's logits)"))
+    if e.strict:
+        out.append(("export.strict", e.strict, f"{route} allowed: [false] (the exporter traces non-strict with its "
+                                              "own patches; strict dynamo tracing fails on them)"))
+    if v(e.dtype) != "fp32":
+        out.append(("export.dtype", v(e.dtype), f"{route} allowed: ['fp32'] (the only dtype built and verified here)"))
+    if e.prefill_chunk < 2:
+        out.append(("export.prefill_chunk", e.prefill_chunk, f"{route} must be >= 2: the token count is traced "
+                                                             "symbolic from a >= 2-token sample"))
+    return out
+
+
+def hf_exporter_geometry_problems(cfg, g: Geometry) -> list[tuple[str, object, str]]:
+    if v(cfg.export.exporter) != "transformers" or not g.smallest_window:
+        return []
+    return [("export.exporter", "transformers", f"allowed for models without sliding-window layers only ({g.arch} "
+             f"has window {g.smallest_window}): pipeline/hf_runtime.py runs one StaticCache mask per program, not "
+             "the per-layer-type masks and ring layers of a sliding-window cache")]
+# --- end export.exporter=transformers -----------------------------------------------------------------------------
 
 
 def geometry_problems(cfg, g: Geometry) -> list[tuple[str, object, str]]:
@@ -166,6 +221,8 @@ def _source_value(m):
 # export + lower peak RSS over the fp32 weights; measured (one build per process): SmolLM2-135M (540 MB
 # fp32) peaks at 3.2 GiB lowering fp32 and 2.1 GiB lowering 8da4w; gemma-3-270m (1.07 GB) 2.7 GiB (8da4w)
 EXPORT_PEAK_OVER_WEIGHTS = 6.0
+# export.exporter=transformers: SmolLM2 fp32 (prefill then decode, one model alive at a time) peaked at 4.3 GiB
+EXPORT_PEAK_OVER_WEIGHTS_HF = 8.5
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
@@ -193,7 +250,8 @@ def kv_cache_bytes(cfg, g: Geometry) -> int:
 
 def memory_estimate(cfg, g: Geometry) -> dict:
     weights = parameter_count(g) * 4  # export works on fp32 (or dequantized) weights
-    return {"params": parameter_count(g), "export_peak_bytes": int(weights * EXPORT_PEAK_OVER_WEIGHTS),
+    ratio = EXPORT_PEAK_OVER_WEIGHTS_HF if v(cfg.export.exporter) == "transformers" else EXPORT_PEAK_OVER_WEIGHTS
+    return {"params": parameter_count(g), "export_peak_bytes": int(weights * ratio),
             "kv_cache_bytes": kv_cache_bytes(cfg, g)}
 
 

@@ -17,6 +17,7 @@ NAME, VERSION = "export", 1
 AFTER = ("quantize",)
 CONFIG_KEYS = ("export", "backend.name")  # weight-only linears take a backend-specific form
 SOURCES = ("pipeline/backends",)  # backend-specific module rewrites and partitioner configs
+SOURCES += ("pipeline/hf_exporter.py",)  # export.exporter=transformers
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,11 @@ def export_program(module, chunk: int, strict: bool = True):
 
 
 def run(ctx) -> dict:
+    # --- export.exporter=transformers: transformers.exporters exports and lowers (pipeline/hf_exporter.py) ---
+    if v(ctx.cfg.export.exporter) == "transformers":
+        from pipeline import hf_exporter
+        return hf_exporter.export_stage(ctx)
+    # --- end export.exporter=transformers ---
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}

@@ -20,6 +20,7 @@ NAME, VERSION = "lower", 1
 AFTER = ("download", "export")
 CONFIG_KEYS = ("backend",)
 SOURCES = ("pipeline/backends",)  # backend-specific module rewrites and partitioner configs
+SOURCES += ("pipeline/hf_exporter.py",)  # export.exporter=transformers
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,11 @@ def lower(ep, backend: str, methods: dict, quant_fusion: bool):
 
 
 def run(ctx) -> dict:
+    # --- export.exporter=transformers: already lowered by the exporter; publish the pair (pipeline/hf_exporter.py) ---
+    if v(ctx.cfg.export.exporter) == "transformers":
+        from pipeline import hf_exporter
+        return hf_exporter.lower_stage(ctx)
+    # --- end export.exporter=transformers ---
     import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
     ep = torch.export.load(ctx.inputs["export"] / "program.pt2")
     methods = constant_methods(ctx)

@@ -26,6 +26,7 @@ NAME, VERSION = "verify", 1
 AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
 SOURCES = ("pipeline/native.py", "native/src", "native/CMakeLists.txt")  # the C++ runner it checks against
+SOURCES += ("pipeline/hf_runtime.py",)  # export.exporter=transformers: the two-program layout's runtime
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,11 @@ def runtime_cache_args(ctx) -> dict:
 def program_module(ctx):
     """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context, and
     both cache modes with our attention ops get our kernel library."""
+    # --- export.exporter=transformers: prefill.pte + decode.pte, KV cache as program I/O (pipeline/hf_runtime.py) ---
+    if v(ctx.cfg.export.exporter) == "transformers":
+        from pipeline.hf_runtime import PrefillDecodeModule
+        return PrefillDecodeModule(ctx.inputs["lower"])
+    # --- end export.exporter=transformers ---
     path = ctx.inputs["lower"] / "model.pte"
     mode = v(ctx.cfg.cache.mode)
     if v(ctx.cfg.backend.name) == "mlx":  # no MLX runtime on Linux: our interpreter of the delegate payload

@@ -1,0 +1,167 @@
+"""export.exporter=transformers: transformers.exporters' prefill.pte + decode.pte pair, built through our stages and
+verified in the Python runtime (pipeline/hf_exporter.py, pipeline/hf_runtime.py) on a tiny random Llama."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import validate
+from pipeline.config import v
+from pipeline.hf_runtime import PrefillDecodeModule
+from pipeline.session import config_slice
+from pipeline.stages import ORDER, STAGES, StageContext, verify
+from tests.conftest import build, compose_cfg, run_cli
+
+RECIPE = "tiny_llama_hf_exporter"
+
+
+@pytest.fixture(scope="module")
+def built():
+    m = build(RECIPE)
+    assert m["status"] == "ok"
+    return m
+
+
+def _entries(m) -> dict[str, Path]:
+    return {s["name"]: Path(s["path"]) for s in m["stages"]}
+
+
+def test_route_builds_and_verifies_exactly(built):
+    same = built["verify"]["same_quant"]
+    assert same["greedy_match"] == same["greedy_total"] > 0
+    assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
+    lower = _entries(built)["lower"]
+    assert Path(built["pte"]) == lower
+    assert set(built["programs"]) == {"prefill", "decode"}
+    for name in ("prefill.pte", "decode.pte", "export.json", "lower.json"):
+        assert (lower / name).is_file()
+    exported = json.loads((lower / "export.json").read_text())
+    assert exported["export_format"] == "executorch" and set(exported["components"]) == {"prefill", "decode"}
+    # the manifest says what was exported, by whom, and what quantization was handed over
+    export = next(s for s in built["stages"] if s["name"] == "export")
+    assert export["metrics"]["exporter"] == "transformers"
+    assert export["metrics"]["quantization"]["exporter_quantizer"] is None
+    lowered = json.loads((lower / "lower.json").read_text())
+    assert lowered["constant_methods"]["get_max_seq_len"] == 16 and lowered["programs"]["decode"]["delegated_nodes"] > 0
+    report = json.loads((_entries(built)["verify"] / "report.json").read_text())
+    assert report["passed"] and "native" not in report["prompts"][0]
+
+
+def test_two_program_layout_greedy_equals_eager(built):
+    """Chunked prefill (prefill.pte, then decode.pte continuing with several tokens), then single decode steps."""
+    entries = _entries(built)
+    eager = torch.load(entries["wrap"] / "module.pt", weights_only=False)
+    pte = PrefillDecodeModule(entries["lower"])
+    ids = torch.randint(3, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    for chunk in (16, 5):  # 21 tokens: prefill 16 + a 5-token continuation; then 5 + 5 + 5 + 5 + 1
+        ref, ref_logits = verify.greedy(eager, ids, 12, chunk, eos=set())
+        got, got_logits = verify.greedy(pte, ids, 12, chunk, eos=set())
+        assert got == ref and len(got) == 12
+        assert max((a - b).abs().max().item() for a, b in zip(ref_logits, got_logits)) < 1e-4
+    # a call at position 0 starts a new sequence: the same prompt again gives the same logits
+    first = pte(torch.tensor([ids[:4]]), torch.arange(4))[0, -1]
+    pte(torch.tensor([ids[4:9]]), torch.arange(4, 9))
+    again = pte(torch.tensor([ids[:4]]), torch.arange(4))[0, -1]
+    assert torch.equal(first, again)
+    assert pte.constant("get_vocab_size") == 512
+
+
+def test_decode_before_prefill_is_refused(built):
+    pte = PrefillDecodeModule(_entries(built)["lower"])
+    with pytest.raises(RuntimeError, match="position 0"):
+        pte(torch.tensor([[5]]), torch.tensor([3]))
+
+
+def test_a_wrong_pair_fails_the_gate(built, tmp_path):
+    wrong = build(RECIPE, "model.random.seed=1", "verify.enabled=false")
+    entries = _entries(built)
+    entries["lower"] = _entries(wrong)["lower"]
+    ctx = StageContext(cfg=compose_cfg(f"recipe={RECIPE}"), out=tmp_path, inputs=entries, progress=False)
+    with pytest.raises(verify.VerifyFailed, match="greedy match"):
+        verify.run(ctx)
+
+
+def test_exporter_changes_the_export_key_and_shares_download_wrap_quantize(built):
+    native = compose_cfg(f"recipe={RECIPE}", "export.exporter=native")
+    hf = compose_cfg(f"recipe={RECIPE}")
+    # only the export stage's own config slice sees the exporter; lower and verify follow through their upstream key
+    changed = [n for n in ORDER if config_slice(native, STAGES[n].CONFIG_KEYS) != config_slice(hf, STAGES[n].CONFIG_KEYS)]
+    assert changed == ["export"]
+    assert all("export" in STAGES[n].AFTER or "lower" in STAGES[n].AFTER for n in ("lower", "verify"))
+    # so the native route reuses the same download, wrap and quantize entries
+    shared = build(RECIPE, "export.exporter=native", "export.strict=true", "verify.native=true", "run.until=quantize")
+    assert [s["cache"] for s in shared["stages"]] == ["hit"] * 3
+    assert [s["key"] for s in shared["stages"]] == [s["key"] for s in built["stages"][:3]]
+
+
+@pytest.mark.parametrize("scheme", ["8w", "8da4w"])
+def test_quantized_handover_verifies(scheme):
+    """Our torchao quantize stage, handed over: weight-only is exact against eager torchao; 8da4w within the
+    calibrated quantized thresholds."""
+    m = build(RECIPE, f"quantize={scheme}", *(["verify=quantized"] if scheme == "8da4w" else []))
+    assert m["status"] == "ok"
+    q = next(s for s in m["stages"] if s["name"] == "export")["metrics"]["quantization"]
+    assert q["linear"] == scheme and q["quantized_embeddings"] == 1
+    if scheme == "8w":
+        assert m["verify"]["same_quant"]["max_logit_err"] < 1e-4
+
+
+def test_sweep_row_sizes_the_pair(built, tmp_path):
+    from pipeline.sweep_report import job_row
+    job = tmp_path / "job0"
+    job.mkdir()
+    (job / "manifest.json").write_text(Path(built["run_manifest"]).read_text())
+    row = job_row(job)
+    total = sum(Path(p).stat().st_size for p in built["programs"].values())
+    assert row["status"] == "ok" and row["pte_mib"] == round(total / 2**20, 1) and row["token_match"]
+
+
+# --- bad input: refused before any work, one message naming key, value and what is allowed -------------------
+
+def test_unknown_exporter_is_rejected_by_hydra_with_the_allowed_values():
+    r = run_cli(f"recipe={RECIPE}", "export.exporter=onnx", timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out, out
+    for needle in ("export.exporter", "onnx", "native", "transformers"):
+        assert needle in out, out
+    assert "stage=" not in out
+
+
+def test_native_runner_check_is_refused_in_preflight():
+    r = run_cli(f"recipe={RECIPE}", "verify.native=true", timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "Traceback" not in out, out
+    assert "verify.native=True" in out and "export.exporter=transformers" in out and "allowed: [false]" in out
+    assert "stage=" not in out, "no stage may start on a rejected config"
+
+
+def test_unsupported_combinations_are_all_reported_at_once():
+    cfg = compose_cfg(f"recipe={RECIPE}", "backend=mlx", "cache=offgraph", "export.logits_mode=last",
+                      "export.strict=true", "export.dtype=bf16", "export.prefill_chunk=1")
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    got = {key: value for key, value, _ in e.value.problems}
+    assert got["backend.name"] == "mlx" and got["cache.mode"] == "offgraph"
+    assert got["export.logits_mode"] == "last" and got["export.strict"] is True
+    assert got["export.dtype"] == "bf16" and got["export.prefill_chunk"] == 1
+    text = str(e.value)
+    assert "MLXBackend is not registered" in text and "allowed: ['xnnpack']" in text
+
+
+def test_portable_and_sliding_window_models_are_refused():
+    cfg = compose_cfg(f"recipe={RECIPE}", "backend=portable")
+    with pytest.raises(validate.ConfigError, match="no portable backend"):
+        validate.check(cfg)
+    cfg = compose_cfg(f"recipe={RECIPE}", "model=tiny_gemma3", "export.prefill_chunk=8")
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    assert [p[0] for p in e.value.problems] == ["export.exporter"] and "sliding-window" in str(e.value)
+
+
+def test_native_route_is_untouched_by_the_rules():
+    cfg = compose_cfg("recipe=tiny_llama_xnnpack")
+    assert v(cfg.export.exporter) == "native"
+    assert validate.hf_exporter_problems(cfg) == []
