@@ -9,7 +9,7 @@ from pathlib import Path
 import subprocess
 import sys
 
-from conftest import build
+from tests.conftest import build
 from pipeline.paths import OUTPUTS_ROOT, ROOT
 
 OUT = "outputs/test_gc"

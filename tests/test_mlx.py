@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build, run_cli
+from tests.conftest import build, run_cli
 from pipeline import modeling
 from pipeline.paths import ROOT
 
