@@ -129,10 +129,11 @@ def decode_payload(raw: bytes) -> Graph:
 # execution
 # --------------------------------------------------------------------------------------------------
 class State:
-    def __init__(self, graph: Graph):
+    """One execute's slots: tensors (t, by tid) and int/float values (v, by vid)."""
+
+    def __init__(self):
         self.t: dict = {}
         self.v: dict = {}
-        self.graph = graph
 
     def tensor(self, ref):
         idx = _tid(ref)
@@ -197,7 +198,6 @@ class Interpreter:
 
     def __init__(self, cache=None):
         self.cache = cache  # OffgraphCache for kvcache::update_and_attend programs
-        self.step: Optional[tuple[int, int]] = None
 
     def run(self, graph: Graph, chain: int, st: State) -> None:
         for ins in graph.chains[chain]:
@@ -591,7 +591,7 @@ class Delegate:
     def execute(self, interp: Interpreter, args: Sequence) -> list:
         mx = _mx()
         g = self.graph
-        st = State(g)
+        st = State()
         st.t.update(self.constants)
         st.t.update(self.buffers)
         if len(args) != len(g.inputs):
