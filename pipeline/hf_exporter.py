@@ -110,8 +110,11 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
     lin, emb = v(q.linear), v(q.embedding)
     done = {"applied_by": "pipeline quantize stage (torchao), before the handover", "exporter_quantizer": None,
             "linear": lin, "embedding": emb, "linear_forms": {}, "quantized_embeddings": 0}
-    if backend == "mlx":
-        pass  # the rewrites below are XNNPACK's forms; the MLX partitioner lowers torchao's tensors as they are
+    if backend == "mlx":  # no rewrite: the MLX partitioner lowers torchao's tensors as they are (XNNPACK's forms below)
+        n = sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))
+        done["linear_forms"] = {"torchao tensors (MLX QuantizedMatmulNode)": n} if n else {}
+        if emb != "none":
+            done["embedding_form"] = "torchao tensor (MLX DequantizeNode + TakeNode)"
     elif lin in ("4w", "8w"):  # the stock partitioner would drop their scales (pipeline/backends/xnnpack_woq.py)
         from pipeline.backends.xnnpack_woq import prepare_weight_only_linears
         forms = prepare_weight_only_linears(model, 4 if lin == "4w" else 8)

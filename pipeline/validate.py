@@ -126,7 +126,6 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
 HF_EXPORTER_BACKENDS = ["xnnpack", "mlx"]
 HF_EXPORTER_WHY_NOT = {
     "portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)",
-    "cuda": "the exporter's cuda backend needs a GPU (AOTInductor) and bf16; none here",
 }
 
 
@@ -141,6 +140,11 @@ def hf_exporter_problems(cfg) -> list[tuple[str, object, str]]:
     if backend not in HF_EXPORTER_BACKENDS:
         out.append(("backend.name", backend, f"{route} allowed: {HF_EXPORTER_BACKENDS} "
                                              f"({HF_EXPORTER_WHY_NOT.get(backend, 'not supported')})"))
+    if backend == "mlx" and v(cfg.quantize.linear) == "8da4w":
+        out.append(("quantize.linear", "8da4w", f"{route} and backend=mlx allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX "
+                    "partitioner does not take torchao's dynamic activation quantization: choose_qparams_affine / "
+                    "quantize_affine / dequantize_affine stay outside the delegate and have no out variants, so the "
+                    "export fails with 'Missing out variants')"))
     if v(c.mode) != CacheMode.static.value:
         out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
                                              "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "
