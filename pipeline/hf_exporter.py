@@ -20,7 +20,13 @@ route (the wrapped eager modules stay verify's references), the stage cache, the
   `ExportedModel.from_pretrained` folder) beside lower.json, which records what the native route bakes into its
   program as constant methods (EOS ids, context, chunk, ...): these programs carry none.
 
-Verify runs the pair through pipeline/hf_runtime.py. The C++ runner does not know this layout (preflight refuses
+backend=mlx: the exporter's mlx backend refuses a StaticCache, so the capture runs generate() over a DynamicCache
+(prefill.pte takes no cache and returns each layer's K/V; decode.pte takes the K/V so far, a dynamic length
+1..context-1, and returns them grown by the new tokens), nothing is rewritten before the handover (the MLX
+partitioner lowers torchao's tensors itself), and the whole graph lands in the MLX delegate.
+
+Verify runs the pair through pipeline/hf_runtime.py (backend=mlx: DynamicCacheModule, each program's MLX payload
+executed by pipeline/mlx_interpreter.py). The C++ runner does not know this layout (preflight refuses
 verify.native=true, see pipeline/validate.py).
 """
 from __future__ import annotations
@@ -104,7 +110,12 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
     lin, emb = v(q.linear), v(q.embedding)
     done = {"applied_by": "pipeline quantize stage (torchao), before the handover", "exporter_quantizer": None,
             "linear": lin, "embedding": emb, "linear_forms": {}, "quantized_embeddings": 0}
-    if lin in ("4w", "8w"):  # the stock partitioner would drop their scales (pipeline/backends/xnnpack_woq.py)
+    if backend == "mlx":  # no rewrite: the MLX partitioner lowers torchao's tensors as they are (XNNPACK's forms below)
+        n = sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))
+        done["linear_forms"] = {"torchao tensors (MLX QuantizedMatmulNode)": n} if n else {}
+        if emb != "none":
+            done["embedding_form"] = "torchao tensor (MLX DequantizeNode + TakeNode)"
+    elif lin in ("4w", "8w"):  # the stock partitioner would drop their scales (pipeline/backends/xnnpack_woq.py)
         from pipeline.backends.xnnpack_woq import prepare_weight_only_linears
         forms = prepare_weight_only_linears(model, 4 if lin == "4w" else 8)
         # the exporter's stock partitioner delegates neither form: both run on portable kernels (correct, slower;
@@ -114,7 +125,7 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
     elif lin == "8da4w":
         done["linear_forms"] = {"torchao 8da4w (XNNPACK dynamically quantized linear)":
                                 sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))}
-    if emb in ("4w", "8w"):
+    if emb in ("4w", "8w") and backend != "mlx":
         done["quantized_embeddings"] = quantized_embeddings(model, 4 if emb == "4w" else 8)
         done["embedding_form"] = "quantized_decomposed::embedding_4bit" if emb == "4w" else \
             "quantized_decomposed::embedding_byte"
@@ -126,12 +137,19 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
 
 # --- export ---------------------------------------------------------------------------------------------------
 
-def generation_config(model, context: int):
-    """Greedy generate() over a static cache of the full context: the decode program then takes a fixed-size cache."""
+# the cache each backend's programs take: the exporter's mlx backend refuses a StaticCache
+CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
+
+
+def generation_config(model, context: int, backend: str = "xnnpack"):
+    """Greedy generate() over a static cache of the full context (the decode program then takes a fixed-size cache),
+    or for mlx over a dynamic cache (the decode program takes the cache so far, of any length)."""
     from transformers import GenerationConfig
     cfg = model.config.get_text_config()
     eos = cfg.eos_token_id
-    return GenerationConfig(cache_implementation="static", max_cache_len=context, do_sample=False,
+    cache = {"cache_implementation": "static", "max_cache_len": context} if CACHE.get(backend, "StaticCache") == "StaticCache" else \
+        {"cache_implementation": "dynamic"}
+    return GenerationConfig(**cache, do_sample=False,
                             pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else
                             (eos[0] if isinstance(eos, list) else eos), eos_token_id=eos)
 
@@ -142,13 +160,19 @@ def sample_prompt(chunk: int, vocab: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.long) % max(vocab - 3, 1) + 3)[None]
 
 
-def dynamic_shapes(inputs: dict, tokens) -> dict:
-    """Only the token axis varies (1..prefill_chunk); the cache keeps its full-context shape."""
-    from transformers.cache_utils import Cache
+def dynamic_shapes(inputs: dict, tokens, past=None) -> dict:
+    """The token axis varies (1..prefill_chunk); a StaticCache keeps its full-context shape, a DynamicCache's
+    K/V [1, Hkv, S, D] vary in S (`past`: the positions before the call)."""
+    from transformers.cache_utils import Cache, DynamicCache
     from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
     out = {}
     for name, value in inputs.items():
-        if isinstance(value, Cache):  # one spec per cache leaf, all static
+        if isinstance(value, DynamicCache):  # one spec per cache leaf (none for the prefill's empty cache)
+            leaves = get_auto_dynamic_shapes(value)
+            if leaves and past is None:
+                raise RuntimeError("a DynamicCache input needs a `past` dim")
+            out[name] = [{2: past} for _ in leaves]
+        elif isinstance(value, Cache):  # one spec per cache leaf, all static
             out[name] = torch.utils._pytree.tree_map(lambda _: None, get_auto_dynamic_shapes(value))
         elif isinstance(value, torch.Tensor):
             if name not in TOKEN_AXIS:
@@ -180,9 +204,12 @@ def export_stage(ctx) -> dict:
     load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
 
     e, backend = ctx.cfg.export, v(ctx.cfg.backend.name)
+    if backend == "mlx":
+        from pipeline.backends.mlx import _import_mlx
+        _import_mlx()  # the wheel lacks the delegate's generated schema modules until this runs once
     path = ctx.inputs["quantize"] / "module.pt"
     model, quant = handover_model(path, ctx.cfg.quantize, backend)
-    gen = generation_config(model, e.max_context_len)
+    gen = generation_config(model, e.max_context_len, backend)
     prompt = sample_prompt(e.prefill_chunk, model.config.get_text_config().vocab_size)
     with spinner("capture prefill/decode from generate()", ctx.progress), torch.no_grad():
         parts = decompose_for_generation(model, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)},
@@ -190,11 +217,13 @@ def export_stage(ctx) -> dict:
     if tuple(parts) != COMPONENTS:
         raise RuntimeError(f"the exporter decomposed the model into {list(parts)}; this route runs {list(COMPONENTS)}")
     tokens = torch.export.Dim("tokens", min=1, max=e.prefill_chunk)
+    # DynamicCache (mlx): decode runs after at least one token and before the context is full
+    past = torch.export.Dim("past", min=1, max=e.max_context_len - 1)
     exporter = ExecutorchExporter()
     components, report = {}, {"backend": backend, "components": {}}
     for i, name in enumerate(COMPONENTS):
         _, inputs = parts[name]
-        shapes = dynamic_shapes(inputs, tokens)
+        shapes = dynamic_shapes(inputs, tokens, past)
         config = ExecutorchConfig(backend=backend, dynamic_shapes=shapes, strict=e.strict,
                                   prefer_deferred_runtime_asserts_over_guards=True)
         if i > 0:
@@ -210,7 +239,10 @@ def export_stage(ctx) -> dict:
             "seconds": round(time.perf_counter() - t0, 1),
             "inputs": {k: (list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
                        for k, t in inputs.items()},
-            "dynamic_tokens": [1, e.prefill_chunk], **delegation(components[name].program),
+            "dynamic_tokens": [1, e.prefill_chunk],
+            **({"dynamic_past": [1, e.max_context_len - 1]} if name == "decode" and CACHE.get(backend) == "DynamicCache"
+               else {}),
+            **delegation(components[name].program),
         }
     exported = ExportedModel(components, exporter.export_format, config=model.config, generation_config=gen)
     exported.save_pretrained(ctx.out)
@@ -218,7 +250,7 @@ def export_stage(ctx) -> dict:
     gc.collect()
     report["quantization"] = quant
     report["exporter"] = {"class": "transformers.exporters.ExecutorchExporter", "strict": bool(e.strict),
-                          "multi_token_decode": True, "cache": "StaticCache", "max_cache_len": e.max_context_len}
+                          "multi_token_decode": True, "cache": CACHE.get(backend, "StaticCache"), "max_cache_len": e.max_context_len}
     (ctx.out / "hf_export.json").write_text(json.dumps(report, indent=2))
     sizes = {n: (ctx.out / f"{n}.pte").stat().st_size for n in COMPONENTS}
     return {"exporter": "transformers", "quantization": quant,
@@ -246,6 +278,7 @@ def lower_stage(ctx) -> dict:
     comps = report["components"]
     lowered = {
         "layout": "prefill+decode (transformers.exporters), KV cache as program input/output",
+        "cache": report.get("exporter", {}).get("cache", "StaticCache"),
         "programs": {n: {"file": f"{n}.pte", **{k: comps[n][k] for k in
                          ("delegated_subgraphs", "delegated_nodes", "non_delegated_nodes", "by_op")}}
                      for n in COMPONENTS},

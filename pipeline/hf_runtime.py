@@ -10,6 +10,15 @@ so verify's checks run on it unchanged:
   (`cumulative_length`) set to positions[0], so a rerun from an earlier position overwrites, as the native
   static cache does.
 Which flat program input/output is which comes from the pytree specs the exporter recorded in export.json.
+
+`DynamicCacheModule(folder)`: the same interface over the layout of the exporter's mlx backend (it refuses a
+StaticCache), a `DynamicCache` that grows every call: prefill.pte takes no cache and returns each layer's K/V
+[1, Hkv, T, D]; decode.pte takes the K/V so far (a dynamic length, the positions before the call) and returns them
+with the new tokens appended (the causal mask is built in the graph from the cache length). A call at an earlier
+position crops the cache to it first (DynamicCache.crop), so a rerun overwrites, as the native static cache does.
+There is no MLX runtime on Linux: `runner="mlx"` (the default for this layout) executes each program's MLX delegate
+payload with pipeline/mlx_interpreter.py (MLXProgram); `runner="executorch"` is the ExecuTorch runtime (a Mac with
+MLXBackend registered). `open_pair(folder, runner)` picks the class from the cache type recorded in export.json.
 """
 from __future__ import annotations
 
@@ -29,22 +38,47 @@ class LayoutError(RuntimeError):
     pass
 
 
+RUNNERS = ("executorch", "mlx")  # the ExecuTorch Python runtime; pipeline/mlx_interpreter.py (MLX delegate payloads)
+
+
+class _TensorInfo:
+    """A program input's declared sizes and ScalarType code, read from the plan (the MLX interpreter's programs
+    have no ExecuTorch method to ask), with the accessors of ExecuTorch's TensorInfo."""
+
+    def __init__(self, sizes, dtype: int):
+        self._sizes, self._dtype = tuple(int(x) for x in sizes), int(dtype)
+
+    def sizes(self):
+        return self._sizes
+
+    def dtype(self):
+        return self._dtype
+
+
 class _Program:
     """One exported program: its `forward` method and where each named input/output sits in the flat lists."""
 
-    def __init__(self, folder: Path, name: str, entry: dict):
-        from executorch.runtime import Runtime
+    def __init__(self, folder: Path, name: str, entry: dict, runner: str = "executorch"):
         from transformers.exporters.metadata import load_treespec
 
         md = entry["metadata"]
         if md.get("in_constants"):
             raise LayoutError(f"{name}: traced constant inputs {md['in_constants']} are not supported")
-        self.method = Runtime.get().load_program(folder / entry["file"]).load_method("forward")
+        if runner not in RUNNERS:
+            raise ValueError(f"runner {runner!r}: allowed {list(RUNNERS)}")
+        self.runner = runner
+        if runner == "mlx":  # raises UnsupportedInstruction for anything outside the MLX delegate
+            from pipeline.mlx_interpreter import Interpreter, MLXProgram
+            self.mlx, self.interp = MLXProgram(folder / entry["file"]), Interpreter()
+        else:
+            from executorch.runtime import Runtime
+            self.method = Runtime.get().load_program(folder / entry["file"]).load_method("forward")
         in_spec, out_spec = load_treespec(md["in_spec"]), load_treespec(md["out_spec"])
         _, kwargs = in_spec.children()  # forward(*(), **kwargs)
-        self.inputs, i = {}, 0
+        self.inputs, self.input_types, i = {}, {}, 0
         for key, child in zip(_keys(kwargs), kwargs.children()):
             self.inputs[key] = slice(i, i + child.num_leaves)
+            self.input_types[key] = child.type
             i += child.num_leaves
         self.n_inputs = i
         unknown = set(self.inputs) - KNOWN_INPUTS[name]
@@ -58,15 +92,29 @@ class _Program:
             i += child.num_leaves
         if set(self.outputs) != {"logits", "past_key_values"}:
             raise LayoutError(f"{name}.pte returns {sorted(self.outputs)}; expected logits and past_key_values")
-        meta = self.method.metadata
-        self.input_meta = [meta.input_tensor_meta(j) for j in range(meta.num_inputs())]
+        if runner == "mlx":
+            plan = self.mlx.plan
+            self.input_meta = [_TensorInfo(plan.values[j].val.sizes, plan.values[j].val.scalar_type)
+                               for j in plan.inputs]
+        else:
+            meta = self.method.metadata
+            self.input_meta = [meta.input_tensor_meta(j) for j in range(meta.num_inputs())]
+        if len(self.input_meta) != self.n_inputs:
+            raise LayoutError(f"{name}.pte takes {len(self.input_meta)} inputs; export.json's spec has {self.n_inputs}")
+
+    def cache_type(self) -> str:
+        t = self.input_types.get("past_key_values")
+        return getattr(t, "__name__", str(t))
 
     def run(self, named: dict) -> dict:
         feed = [None] * self.n_inputs
         for key, s in self.inputs.items():
             value = named[key]
             feed[s] = value if isinstance(value, list) else [value]
-        out = list(self.method.execute(feed))
+        if self.runner == "mlx":
+            out = self.mlx.execute(self.interp, feed)
+        else:
+            out = list(self.method.execute(feed))
         tail = out[len(out) - self.n_outputs:]
         return {key: tail[s] for key, s in self.outputs.items()}
 
@@ -131,3 +179,85 @@ class PrefillDecodeModule:
         self.cache = list(out["past_key_values"])
         (logits,) = out["logits"]
         return logits
+
+
+class DynamicCacheModule:
+    """The DynamicCache layout (the exporter's mlx backend): (tokens [1,T], positions [T]) -> logits, the cache
+    growing by T every call. Runs the programs with the MLX interpreter unless told `runner="executorch"`."""
+
+    def __init__(self, folder: Path, runner: str = "mlx"):
+        folder = Path(folder)
+        manifest = json.loads((folder / "export.json").read_text())
+        missing = [n for n in KNOWN_INPUTS if n not in manifest["components"]]
+        if missing:
+            raise LayoutError(f"{folder}/export.json has components {sorted(manifest['components'])}, "
+                              f"missing {missing}")
+        if runner == "executorch":
+            load_kernels()
+        self.folder, self.runner = folder, runner
+        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runner)
+        self.decode = _Program(folder, "decode", manifest["components"]["decode"], runner)
+        for p in (self.prefill, self.decode):
+            if p.cache_type() != "DynamicCache":
+                raise LayoutError(f"this runtime runs a DynamicCache; the programs take a {p.cache_type()}")
+        if "attention_mask" in self.decode.inputs:
+            raise LayoutError("decode.pte takes an attention_mask: this runtime runs the DynamicCache layout whose "
+                              "mask is built in the graph from the cache length")
+        pre = self.prefill.inputs["past_key_values"]
+        if pre.stop != pre.start:
+            raise LayoutError(f"prefill.pte's cache input should be an empty DynamicCache; it has "
+                              f"{pre.stop - pre.start} tensors")
+        cache_in = self.decode.input_meta[self.decode.inputs["past_key_values"]]
+        if not cache_in or len(cache_in) % 2 or any(len(info.sizes()) != 4 for info in cache_in):
+            raise LayoutError(f"decode.pte's cache input should be K/V pairs [1, Hkv, S, D] per layer; it is "
+                              f"{[info.sizes() for info in cache_in]}")
+        self.n_layers = len(cache_in) // 2
+        lowered = folder / "lower.json"
+        consts = json.loads(lowered.read_text())["constant_methods"] if lowered.exists() else {}
+        self.context, self.chunk = consts.get("get_max_context_len"), consts.get("get_max_seq_len")
+        self.cache: list[torch.Tensor] | None = None
+        self.length = 0
+
+    def constant(self, name: str):
+        """What the native route's program would return from its constant method `name` (from lower.json)."""
+        return json.loads((self.folder / "lower.json").read_text())["constant_methods"][name]
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        start, T = int(positions[0]), int(positions.numel())
+        if not torch.equal(positions.to(torch.long), torch.arange(start, start + T)):
+            raise ValueError(f"positions must be consecutive from {start} (the cache length is the position)")
+        if self.chunk is not None and T > self.chunk:
+            raise ValueError(f"{T} tokens in one call; the programs were exported for 1..{self.chunk}")
+        if self.context is not None and start + T > self.context:
+            raise ValueError(f"positions up to {start + T - 1} exceed the context {self.context}")
+        if start == 0:
+            out = self.prefill.run({"input_ids": tokens, "position_ids": positions[None], "past_key_values": []})
+        else:
+            if self.cache is None:
+                raise RuntimeError("decode before prefill: the first call of a sequence must start at position 0")
+            if start > self.length:
+                raise RuntimeError(f"position {start} skips past the cache ({self.length} positions held)")
+            cache = [c[:, :, :start].contiguous() if c.shape[2] > start else c for c in self.cache]
+            out = self.decode.run({"input_ids": tokens, "position_ids": positions[None], "past_key_values": cache})
+        self.cache = list(out["past_key_values"])
+        if any(c.shape[2] != start + T for c in self.cache):
+            raise LayoutError(f"the program returned a cache of {[c.shape[2] for c in self.cache]} positions, "
+                              f"expected {start + T}")
+        self.length = start + T
+        (logits,) = out["logits"]
+        return logits
+
+
+def open_pair(folder: Path, runner: str = "executorch"):
+    """The runtime for the pair in `folder`, by the cache type its prefill was exported with."""
+    from transformers.exporters.metadata import load_treespec
+    manifest = json.loads((Path(folder) / "export.json").read_text())
+    spec = load_treespec(manifest["components"]["prefill"]["metadata"]["in_spec"])
+    _, kwargs = spec.children()
+    types = {k: getattr(c.type, "__name__", None) for k, c in zip(_keys(kwargs), kwargs.children())}
+    cache = types.get("past_key_values")
+    if cache == "DynamicCache":
+        return DynamicCacheModule(folder, runner)
+    if runner != "executorch":
+        raise LayoutError(f"a {cache} pair runs in the ExecuTorch runtime only (runner={runner!r})")
+    return PrefillDecodeModule(folder)

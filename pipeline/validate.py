@@ -123,13 +123,9 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
 
 
 # --- export.exporter=transformers (pipeline/hf_exporter.py, pipeline/hf_runtime.py) --------------------------------
-HF_EXPORTER_BACKENDS = ["xnnpack"]
+HF_EXPORTER_BACKENDS = ["xnnpack", "mlx"]
 HF_EXPORTER_WHY_NOT = {
     "portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)",
-    "mlx": "the exporter's mlx backend refuses a StaticCache ('StaticCache is not supported by the ExecuTorch MLX "
-           "backend'); with a DynamicCache it lowers here, but that layout (a cache that grows every call) is not "
-           "what pipeline/hf_runtime.py runs, and ExecuTorch's runtime here cannot load it ('Backend MLXBackend is "
-           "not registered' on Linux)",
 }
 
 
@@ -144,9 +140,15 @@ def hf_exporter_problems(cfg) -> list[tuple[str, object, str]]:
     if backend not in HF_EXPORTER_BACKENDS:
         out.append(("backend.name", backend, f"{route} allowed: {HF_EXPORTER_BACKENDS} "
                                              f"({HF_EXPORTER_WHY_NOT.get(backend, 'not supported')})"))
+    if backend == "mlx" and v(cfg.quantize.linear) == "8da4w":
+        out.append(("quantize.linear", "8da4w", f"{route} and backend=mlx allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX "
+                    "partitioner does not take torchao's dynamic activation quantization: choose_qparams_affine / "
+                    "quantize_affine / dequantize_affine stay outside the delegate and have no out variants, so the "
+                    "export fails with 'Missing out variants')"))
     if v(c.mode) != CacheMode.static.value:
-        out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own StaticCache, "
-                                             "passed in and out of the programs; custom/offgraph are the native route's)"))
+        out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
+                                             "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "
+                                             "custom/offgraph are the native route's)"))
     if vc.native:
         out.append(("verify.native", vc.native, f"{route} allowed: [false]: the C++ runner runs the native one-program "
                                                "layout and cannot load prefill.pte + decode.pte with the KV cache as "

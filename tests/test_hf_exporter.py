@@ -10,7 +10,7 @@ import torch
 
 from pipeline import validate
 from pipeline.config import v
-from pipeline.hf_runtime import PrefillDecodeModule
+from pipeline.hf_runtime import DynamicCacheModule, PrefillDecodeModule, open_pair
 from pipeline.session import config_slice
 from pipeline.stages import ORDER, STAGES, StageContext, verify
 from tests.conftest import build, compose_cfg, run_cli
@@ -139,16 +139,16 @@ def test_native_runner_check_is_refused_in_preflight():
 
 
 def test_unsupported_combinations_are_all_reported_at_once():
-    cfg = compose_cfg(f"recipe={RECIPE}", "backend=mlx", "cache=offgraph", "export.logits_mode=last",
+    cfg = compose_cfg(f"recipe={RECIPE}", "backend=portable", "cache=offgraph", "export.logits_mode=last",
                       "export.strict=true", "export.dtype=bf16", "export.prefill_chunk=1")
     with pytest.raises(validate.ConfigError) as e:
         validate.check(cfg)
     got = {key: value for key, value, _ in e.value.problems}
-    assert got["backend.name"] == "mlx" and got["cache.mode"] == "offgraph"
+    assert got["backend.name"] == "portable" and got["cache.mode"] == "offgraph"
     assert got["export.logits_mode"] == "last" and got["export.strict"] is True
     assert got["export.dtype"] == "bf16" and got["export.prefill_chunk"] == 1
     text = str(e.value)
-    assert "MLXBackend is not registered" in text and "allowed: ['xnnpack']" in text
+    assert "no portable backend" in text and "allowed: ['xnnpack', 'mlx']" in text
 
 
 def test_portable_and_sliding_window_models_are_refused():
@@ -165,3 +165,103 @@ def test_native_route_is_untouched_by_the_rules():
     cfg = compose_cfg("recipe=tiny_llama_xnnpack")
     assert v(cfg.export.exporter) == "native"
     assert validate.hf_exporter_problems(cfg) == []
+
+
+# --- backend=mlx: the exporter's DynamicCache layout, run by pipeline/mlx_interpreter.py -------------------------
+
+RECIPE_MLX = "tiny_llama_hf_exporter_mlx"
+
+
+@pytest.fixture(scope="module")
+def built_mlx():
+    m = build(RECIPE_MLX)
+    assert m["status"] == "ok", m.get("error")
+    return m
+
+
+def test_mlx_route_builds_fully_delegated_and_verifies_exactly(built_mlx):
+    v_ = built_mlx["verify"]
+    assert v_["runner"].startswith("pipeline.mlx_interpreter") and v_["status"] == "ok"
+    same = v_["same_quant"]
+    assert same["greedy_match"] == same["greedy_total"] > 0
+    assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
+    entries = _entries(built_mlx)
+    exported = json.loads((entries["export"] / "hf_export.json").read_text())
+    assert exported["backend"] == "mlx" and exported["exporter"]["cache"] == "DynamicCache"
+    assert exported["components"]["decode"]["dynamic_past"] == [1, 63]
+    lowered = json.loads((entries["lower"] / "lower.json").read_text())
+    assert lowered["cache"] == "DynamicCache"
+    for name in ("prefill", "decode"):
+        prog = lowered["programs"][name]
+        # one MLX delegate per program; only the delegate's getitem outputs are outside it
+        assert prog["delegated_subgraphs"] == 1
+        assert all(c["non_delegated"] == 0 for op, c in prog["by_op"].items() if op != "getitem"), prog["by_op"]
+    assert set(built_mlx["programs"]) == {"prefill", "decode"}
+
+
+def test_mlx_programs_instructions_are_all_covered_by_the_interpreter(built_mlx):
+    from pipeline.mlx_interpreter import coverage
+    lower = _entries(built_mlx)["lower"]
+    for name in ("prefill.pte", "decode.pte"):
+        cov = coverage(lower / name)
+        assert cov["instructions"] and cov["uncovered"] == [], (name, cov)
+        assert "SdpaNode" in cov["instructions"] and "AddmmNode" in cov["instructions"]
+
+
+def test_mlx_dynamic_cache_layout_greedy_equals_eager(built_mlx):
+    """Chunked prefill (prefill.pte, then decode.pte continuing with several tokens), then single steps; a call at
+    an earlier position crops the grown cache, so reruns give the same logits."""
+    entries = _entries(built_mlx)
+    eager = torch.load(entries["wrap"] / "module.pt", weights_only=False)
+    pte = open_pair(entries["lower"], runner="mlx")
+    assert isinstance(pte, DynamicCacheModule)
+    ids = torch.randint(3, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    for chunk in (16, 5):
+        ref, ref_logits = verify.greedy(eager, ids, 12, chunk, eos=set())
+        got, got_logits = verify.greedy(pte, ids, 12, chunk, eos=set())
+        assert got == ref and len(got) == 12
+        assert max((a - b).abs().max().item() for a, b in zip(ref_logits, got_logits)) < 1e-4
+    first = pte(torch.tensor([ids[:4]]), torch.arange(4))[0, -1]
+    step = pte(torch.tensor([ids[4:9]]), torch.arange(4, 9))[0, -1]
+    pte(torch.tensor([ids[9:12]]), torch.arange(9, 12))
+    assert pte.length == 12
+    assert torch.equal(step, pte(torch.tensor([ids[4:9]]), torch.arange(4, 9))[0, -1])  # crop to 4, rerun
+    assert pte.length == 9 and all(c.shape[2] == 9 for c in pte.cache)
+    assert torch.equal(first, pte(torch.tensor([ids[:4]]), torch.arange(4))[0, -1])
+    with pytest.raises(ValueError, match="exported for 1..16"):
+        pte(torch.tensor([ids[:17]]), torch.arange(17))
+    with pytest.raises(RuntimeError, match="skips past the cache"):
+        pte(torch.tensor([[5]]), torch.tensor([7]))
+    with pytest.raises(RuntimeError, match="position 0"):
+        open_pair(entries["lower"], runner="mlx")(torch.tensor([[5]]), torch.tensor([3]))
+
+
+def test_mlx_pair_does_not_load_in_linux_executorch_runtime(built_mlx):
+    """Why verify uses the interpreter here: the ExecuTorch runtime has no MLXBackend on Linux."""
+    from executorch.runtime import Runtime
+    if Runtime.get().backend_registry.is_available("MLXBackend"):
+        pytest.skip("MLXBackend is registered (Apple Silicon): verify compares the real runtime too")
+    with pytest.raises(RuntimeError, match="Failed to load method forward"):  # logged: MLXBackend is not registered
+        DynamicCacheModule(_entries(built_mlx)["lower"], runner="executorch")
+
+
+@pytest.mark.parametrize("scheme", ["4w", "nvfp4"])
+def test_mlx_quantized_handover_verifies_exactly(scheme):
+    """torchao's tensors go to the exporter unrewritten; the MLX partitioner makes QuantizedMatmulNode of them."""
+    from pipeline.mlx_interpreter import coverage
+    m = build(RECIPE_MLX, f"quantize={scheme}", "verify=quantized")
+    assert m["status"] == "ok", m.get("error")
+    assert m["verify"]["same_quant"]["max_logit_err"] < 1e-4
+    q = next(s for s in m["stages"] if s["name"] == "export")["metrics"]["quantization"]
+    assert q["linear"] == scheme and q["quantized_embeddings"] == 0 and list(q["linear_forms"].values()) == [15]
+    cov = coverage(_entries(m)["lower"] / "decode.pte")
+    assert cov["uncovered"] == [] and cov["instructions"]["QuantizedMatmulNode"] == 15
+
+
+def test_mlx_route_refuses_8da4w():
+    cfg = compose_cfg(f"recipe={RECIPE_MLX}", "quantize=8da4w")
+    with pytest.raises(validate.ConfigError) as e:
+        validate.check(cfg)
+    assert [p[0] for p in e.value.problems] == ["quantize.linear"] and "Missing out variants" in str(e.value)
+    assert validate.hf_exporter_problems(compose_cfg(f"recipe={RECIPE_MLX}")) == []
+    assert validate.hf_exporter_problems(compose_cfg(f"recipe={RECIPE}", "quantize=8da4w")) == []  # xnnpack: fine

@@ -27,6 +27,7 @@ AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
 SOURCES = ("pipeline/native.py", "native/src", "native/CMakeLists.txt")  # the C++ runner it checks against
 SOURCES += ("pipeline/hf_runtime.py",)  # export.exporter=transformers: the two-program layout's runtime
+SOURCES += ("pipeline/mlx_interpreter.py",)  # backend=mlx: the runtime of MLX programs here
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,9 @@ def program_module(ctx):
     """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context, and
     both cache modes with our attention ops get our kernel library."""
     # --- export.exporter=transformers: prefill.pte + decode.pte, KV cache as program I/O (pipeline/hf_runtime.py) ---
-    if v(ctx.cfg.export.exporter) == "transformers":
-        from pipeline.hf_runtime import PrefillDecodeModule
-        return PrefillDecodeModule(ctx.inputs["lower"])
+    if v(ctx.cfg.export.exporter) == "transformers":  # backend=mlx: the pair's MLX payloads run by our interpreter
+        from pipeline.hf_runtime import open_pair
+        return open_pair(ctx.inputs["lower"], runner="mlx" if v(ctx.cfg.backend.name) == "mlx" else "executorch")
     # --- end export.exporter=transformers ---
     path = ctx.inputs["lower"] / "model.pte"
     mode = v(ctx.cfg.cache.mode)
@@ -201,6 +202,9 @@ def mlx_runtime_module(ctx):
     from executorch.runtime import Runtime
     if not Runtime.get().backend_registry.is_available("MLXBackend"):
         return None
+    if v(ctx.cfg.export.exporter) == "transformers":  # the pair, in the real runtime
+        from pipeline.hf_runtime import open_pair
+        return open_pair(ctx.inputs["lower"], runner="executorch")
     if v(ctx.cfg.cache.mode) == "offgraph":  # its cache is installed by the MLX runner, not the Python runtime
         return None
     return PteModule(ctx.inputs["lower"] / "model.pte")
