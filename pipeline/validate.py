@@ -17,7 +17,12 @@ IMPLEMENTED_CACHE_MODES = {"static", "custom", "offgraph"}
 IMPLEMENTED_BACKENDS = {"xnnpack", "portable", "mlx"}
 # (scheme, backend) pairs known to produce wrong programs, with the reason; preflight refuses them.
 # (4w/8w on xnnpack were here until pipeline/backends/xnnpack_woq.py made them correct.)
-UNSAFE: dict[tuple[str, str], str] = {}
+UNSAFE: dict[tuple[str, str], str] = {
+    ("8da4w", "mlx"): "backend=mlx allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX partitioner does not take "
+                      "torchao's dynamic activation quantization: choose_qparams_affine / quantize_affine / "
+                      "dequantize_affine stay outside the delegate and have no out variants, so lowering fails "
+                      "with 'Missing out variants')",
+}
 
 
 def check(cfg, geometry_fn=None) -> Optional[Geometry]:
@@ -140,11 +145,6 @@ def hf_exporter_problems(cfg) -> list[tuple[str, object, str]]:
     if backend not in HF_EXPORTER_BACKENDS:
         out.append(("backend.name", backend, f"{route} allowed: {HF_EXPORTER_BACKENDS} "
                                              f"({HF_EXPORTER_WHY_NOT.get(backend, 'not supported')})"))
-    if backend == "mlx" and v(cfg.quantize.linear) == "8da4w":
-        out.append(("quantize.linear", "8da4w", f"{route} and backend=mlx allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX "
-                    "partitioner does not take torchao's dynamic activation quantization: choose_qparams_affine / "
-                    "quantize_affine / dequantize_affine stay outside the delegate and have no out variants, so the "
-                    "export fails with 'Missing out variants')"))
     if v(c.mode) != CacheMode.static.value:
         out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
                                              "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "

@@ -258,8 +258,9 @@ def test_mlx_quantized_handover_verifies_exactly(scheme):
     assert cov["uncovered"] == [] and cov["instructions"]["QuantizedMatmulNode"] == 15
 
 
-def test_mlx_route_refuses_8da4w():
-    cfg = compose_cfg(f"recipe={RECIPE_MLX}", "quantize=8da4w")
+@pytest.mark.parametrize("recipe", [RECIPE_MLX, "tiny_llama_mlx"])  # both routes to mlx
+def test_mlx_refuses_8da4w(recipe):
+    cfg = compose_cfg(f"recipe={recipe}", "quantize=8da4w")
     with pytest.raises(validate.ConfigError) as e:
         validate.check(cfg)
     assert [p[0] for p in e.value.problems] == ["quantize.linear"] and "Missing out variants" in str(e.value)
