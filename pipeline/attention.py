@@ -47,6 +47,15 @@ def check_step(op: str, q, k, v, position) -> tuple[int, int]:
     return pos, T
 
 
+def step_args(op: str, query: torch.Tensor, scaling, kwargs) -> tuple[torch.Tensor, float]:
+    """What every cache-mode attention function takes from HF's attention-interface call: the step's positions
+    (the wrapper passes positions[None] as position_ids) and the softmax scale (HF's default when None)."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise RuntimeError(f"{op} attention needs position_ids (the wrapper passes positions[None])")
+    return positions, float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+
+
 def attend_gathered(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos: int, base: int, window: int,
                     scale: float, out_dtype) -> torch.Tensor:
     """q [1,Hq,T,D] at positions pos.., K [Hkv,S,D] / V [Hkv,S,Dv] at positions base..; fp32 softmax.

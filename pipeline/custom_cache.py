@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from pipeline.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                ring_runs)
+                                ring_runs, step_args)
 from pipeline.offgraph import cache_layout
 
 NAMESPACE = "llmpipe"
@@ -88,13 +88,9 @@ def constant_methods(cfg, context: int, chunk: int) -> dict:
 
 def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        raise RuntimeError("custom attention needs position_ids (the wrapper passes positions[None])")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    positions, scaling = step_args("custom", query, scaling, kwargs)
     out = torch.ops.llmpipe.cached_attention(query, key, value, module.k_cache, module.v_cache,
-                                             positions.reshape(-1), module.kv_window, float(scaling))
+                                             positions.reshape(-1), module.kv_window, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -712,14 +712,6 @@ class MLXProgram:
             delegate.reset()
 
 
-def _ints(x) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(i) for i in x.reshape(-1).tolist()]
-    if isinstance(x, (list, tuple)):
-        return [int(i) for i in x]
-    return [int(x)]
-
-
 class MLXPteModule:
     """An MLX .pte run by the interpreter, callable like the eager wrapper: (tokens [1,T], positions [T])
     -> logits. Off-graph programs get a runtime cache from their constant methods (as our runners)."""
@@ -729,21 +721,10 @@ class MLXPteModule:
         self.program = MLXProgram(path)
         self.cache = None
         names = set(self.program.plans)
-        if "get_n_caches" in names:
-            from pipeline.offgraph import LayerSpec, OffgraphCache
-            c = self.program.constant
-            n = _ints(c("get_n_caches"))[0]
-            heads, dims = _ints(c("get_kv_heads")), _ints(c("get_head_dims"))
-            vdims = _ints(c("get_v_head_dims")) if "get_v_head_dims" in names else dims
-            wins = _ints(c("get_windows"))
-            if windows:
-                wins = [int(windows[i % len(windows)]) for i in range(n)]
-            chunk, ctx = _ints(c("get_max_seq_len"))[0], _ints(c("get_max_context_len"))[0]
-            act = _ints(c("get_activation_dtype"))[0]
-            dtype = kv_dtype or _TORCH[act]
-            specs = [LayerSpec(heads[i], dims[i], vdims[i], wins[i]) for i in range(n)]
-            self.cache = OffgraphCache(specs, capacity or ctx, min([chunk] + [w for w in wins if w > 0]),
-                                       initial_capacity, dtype)
+        if "get_n_caches" in names:  # an off-graph program: the runtime-owned cache our runners build
+            from pipeline.offgraph import OffgraphCache, runtime_cache_plan
+            specs, ctx, max_write, dtype = runtime_cache_plan(self.program.constant, names, windows, kv_dtype)
+            self.cache = OffgraphCache(specs, capacity or ctx, max_write, initial_capacity, dtype)
         self.interp = Interpreter(self.cache)
 
     def constant(self, name: str):

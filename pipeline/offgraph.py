@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from pipeline.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                ring_runs)
+                                ring_runs, step_args)
 
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
@@ -336,16 +336,12 @@ def constant_methods(cfg) -> dict:
 def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, **kwargs):
     """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        raise RuntimeError("offgraph attention needs position_ids (the wrapper passes positions[None])")
+    positions, scaling = step_args("offgraph", query, scaling, kwargs)
     cache_id = getattr(module, "_offgraph_cache_id", None)
     if cache_id is None:
         raise RuntimeError(f"offgraph attention: layer {getattr(module, 'layer_idx', '?')} has no cache id")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
     out = torch.ops.llmpipe.update_and_attend(query, key, value, positions.reshape(-1), cache_id,
-                                              float(scaling), query.dtype)
+                                              scaling, query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -495,6 +491,27 @@ def _ints(x) -> list[int]:
     return [int(x)]
 
 
+def runtime_cache_plan(constant, names, windows: Optional[Sequence[int]] = None,
+                       kv_dtype: Optional[torch.dtype] = None) -> tuple[list[LayerSpec], int, int, torch.dtype]:
+    """The runtime cache an off-graph program asks for, read from its constant methods (`constant(name)`;
+    `names` = the program's methods): (layer specs, context, max write, storage dtype). `windows` overrides
+    the program's windows (a pattern repeated over the caches); the largest write is the chunk, bounded by
+    the smallest ring window."""
+    n = int(_ints(constant("get_n_caches"))[0])
+    heads = _ints(constant("get_kv_heads"))
+    dims = _ints(constant("get_head_dims"))
+    vdims = _ints(constant("get_v_head_dims")) if "get_v_head_dims" in names else dims
+    wins = _ints(constant("get_windows"))
+    if windows:
+        wins = [int(windows[i % len(windows)]) for i in range(n)]
+    chunk = int(_ints(constant("get_max_seq_len"))[0])
+    ctx = int(_ints(constant("get_max_context_len"))[0])
+    act = int(_ints(constant("get_activation_dtype"))[0])
+    dtype = kv_dtype or {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}[act]
+    specs = [LayerSpec(heads[i], dims[i], vdims[i], wins[i]) for i in range(n)]
+    return specs, ctx, min([chunk] + [w for w in wins if w > 0]), dtype
+
+
 class OffgraphPteModule:
     """An offgraph .pte in the ExecuTorch Python runtime, callable like the eager wrapper:
     (tokens [1,T], positions [T]) -> logits. Owns a NativeOffgraphCache built from the program's
@@ -511,20 +528,8 @@ class OffgraphPteModule:
         names = set(self.program.method_names)
         if "get_n_caches" not in names:
             raise ValueError(f"{path} is not an offgraph program (no get_n_caches)")
-        n = int(_ints(_constant(self.program, "get_n_caches"))[0])
-        heads = _ints(_constant(self.program, "get_kv_heads"))
-        dims = _ints(_constant(self.program, "get_head_dims"))
-        vdims = _ints(_constant(self.program, "get_v_head_dims")) if "get_v_head_dims" in names else dims
-        wins = _ints(_constant(self.program, "get_windows"))
-        if windows:
-            wins = [int(windows[i % len(windows)]) for i in range(n)]
-        chunk = int(_ints(_constant(self.program, "get_max_seq_len"))[0])
-        ctx = int(_ints(_constant(self.program, "get_max_context_len"))[0])
-        rings = [w for w in wins if w > 0]
-        self.chunk = min([chunk] + rings)
-        act = int(_ints(_constant(self.program, "get_activation_dtype"))[0])
-        dtype = kv_dtype or {5: torch.float16, 6: torch.float32, 15: torch.bfloat16}[act]
-        specs = [LayerSpec(heads[i], dims[i], vdims[i], wins[i]) for i in range(n)]
+        specs, ctx, self.chunk, dtype = runtime_cache_plan(lambda name: _constant(self.program, name), names,
+                                                           windows, kv_dtype)
         self.cache = NativeOffgraphCache(specs, capacity or ctx, self.chunk, initial_capacity, dtype)
         self.forward = self.program.load_method("forward")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.attention import attention_layers
+from pipeline.attention import attention_layers, step_args
 
 
 def _import_mlx():
@@ -54,11 +54,7 @@ def _ring_positions(end, slots: int) -> torch.Tensor:
 
 
 def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        raise RuntimeError("mlx custom attention needs position_ids (the wrapper passes positions[None])")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    positions, scaling = step_args("mlx custom", query, scaling, kwargs)
     T, slots, window = query.shape[2], module.k_cache.shape[2], module.kv_window
     start = _start(positions, T, slots)
     ring = slots if (window > 0 and slots < module.kv_context) else 0
@@ -66,8 +62,7 @@ def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0,
     torch.ops.mlx.kv_cache_update(module.v_cache, value, start, ring)
     if window == 0:
         torch._check(start + T <= slots)
-        out = torch.ops.mlx.custom_sdpa(query, module.k_cache, module.v_cache, start, None, 0.0, True,
-                                        float(scaling))
+        out = torch.ops.mlx.custom_sdpa(query, module.k_cache, module.v_cache, start, None, 0.0, True, scaling)
     else:
         qpos = positions.reshape(-1, 1)
         kpos = _ring_positions(qpos[-1, 0] + 1, slots).unsqueeze(0) if ring else torch.arange(slots).unsqueeze(0)
@@ -77,18 +72,14 @@ def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0,
         k, v = module.k_cache, module.v_cache
         if group > 1:
             k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=float(scaling))
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
 def mlx_offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        raise RuntimeError("mlx offgraph attention needs position_ids (the wrapper passes positions[None])")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    positions, scaling = step_args("mlx offgraph", query, scaling, kwargs)
     out = torch.ops.kvcache.update_and_attend(query, key, value, positions.reshape(-1, 1),
-                                              module._offgraph_cache_id, float(scaling), query.dtype)
+                                              module._offgraph_cache_id, scaling, query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 
