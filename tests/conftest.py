@@ -5,9 +5,11 @@ is built once per machine and reused by every test that needs it.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -34,6 +36,20 @@ def build(recipe: str, *overrides: str, stages=None):
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_manifest(r: subprocess.CompletedProcess) -> dict:
+    """The run manifest a `python -m pipeline` build names on its last line of output."""
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: "), r.stdout[-3000:]
+    return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
+
+
+def build_cli(recipe: str, *overrides: str, timeout: int = 3000) -> dict:
+    """A build in a process of its own, as a user runs it; returns its run manifest."""
+    r = run_cli(f"recipe={recipe}", "run.progress=false", *overrides, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return run_manifest(r)
 
 
 @pytest.fixture(scope="session")

@@ -3,14 +3,11 @@ exactly (recipes gemma3_offgraph, gemma3_custom), then a prompt longer than the 
 through the C++ runner (the rings wrap), against HF eager."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
 from pipeline import native
-from tests.conftest import run_cli
+from tests.conftest import build_cli
 
 pytestmark = pytest.mark.real_model
 TEXT = ("The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, the "
@@ -22,20 +19,14 @@ TEXT = ("The lighthouse keeper wrote in his log every evening: the weather, the 
 CHUNK = "export.prefill_chunk=128"
 
 
-def _build(recipe: str) -> dict:
-    r = run_cli(f"recipe={recipe}", CHUNK, "run.progress=false", timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
-
-
 @pytest.fixture(scope="module")
 def built() -> dict:
-    return _build("gemma3_offgraph")
+    return build_cli("gemma3_offgraph", CHUNK)
 
 
 @pytest.fixture(scope="module")
 def built_custom() -> dict:
-    return _build("gemma3_custom")
+    return build_cli("gemma3_custom", CHUNK)
 
 
 @pytest.fixture(scope="module")

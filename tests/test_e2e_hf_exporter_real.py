@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_manifest
 
 pytestmark = pytest.mark.real_model
 RECIPE = "smollm2_xnnpack_hf_exporter"
@@ -20,14 +20,8 @@ def cold():
     return r
 
 
-def _manifest(r) -> dict:
-    lines = r.stdout.strip().splitlines()
-    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: ")
-    return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
-
-
 def test_smollm2_pair_builds_verifies_exactly_and_answers_paris(cold):
-    m = _manifest(cold)
+    m = run_manifest(cold)
     assert m["status"] == "ok" and m["recipe"] == RECIPE
     assert m["config"]["export"]["exporter"] == "transformers"
     for name, path in m["programs"].items():
@@ -44,6 +38,6 @@ def test_smollm2_pair_builds_verifies_exactly_and_answers_paris(cold):
 def test_rerun_is_all_cache_hits(cold):
     r = run_cli(f"recipe={RECIPE}", "run.progress=false")
     assert r.returncode == 0, r.stderr[-3000:]
-    m = _manifest(r)
+    m = run_manifest(r)
     assert [s["cache"] for s in m["stages"]] == ["hit"] * 6
-    assert m["pte"] == _manifest(cold)["pte"]
+    assert m["pte"] == run_manifest(cold)["pte"]

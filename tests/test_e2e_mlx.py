@@ -3,32 +3,25 @@ pipeline.mlx_interpreter with greedy tokens equal to eager; every instruction th
 handler; the off-graph gemma program matches eager past its 512-token window (rings wrapped)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline import modeling
-from tests.conftest import run_cli
+from tests.conftest import build_cli
 
 pytestmark = pytest.mark.real_model
 
 
-def _build(recipe: str, *overrides: str) -> dict:
-    r = run_cli(f"recipe={recipe}", "run.progress=false", *overrides, timeout=3000)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
-
-
 @pytest.fixture(scope="module")
 def gemma3() -> dict:
-    return _build("gemma3_mlx_offgraph")
+    return build_cli("gemma3_mlx_offgraph")
 
 
 @pytest.fixture(scope="module")
 def llama_int4() -> dict:
-    return _build("llama_mlx_int4")
+    return build_cli("llama_mlx_int4")
 
 
 def _exact(m: dict) -> None:
@@ -61,7 +54,7 @@ def test_llama_mlx_int4_builds_and_verifies_exactly(llama_int4):
 def test_gemma3_mlx_offgraph_past_the_window(gemma3):
     """A chunk-128 build (rings of 639 slots in the 1024 context) fed 700 tokens: the rings wrap, and the
     interpreter's logits track eager's."""
-    m = _build("gemma3_mlx_offgraph", "export.prefill_chunk=128", "verify.enabled=false")
+    m = build_cli("gemma3_mlx_offgraph", "export.prefill_chunk=128", "verify.enabled=false")
     from pipeline.mlx_interpreter import MLXPteModule
     wrap = next(s for s in m["stages"] if s["name"] == "wrap")["path"]
     eager = torch.load(Path(wrap) / "module.pt", weights_only=False)

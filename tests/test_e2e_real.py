@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.runtime import PteModule
-from tests.conftest import run_cli
+from tests.conftest import run_cli, run_manifest
 
 pytestmark = pytest.mark.real_model
 RECIPE = "smollm2_xnnpack_8da4w"
@@ -20,15 +20,9 @@ def cold():
     return r, None
 
 
-def _manifest(r) -> dict:
-    lines = r.stdout.strip().splitlines()
-    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: ")
-    return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
-
-
 def test_build_verifies_and_answers_paris(cold):
     r, _ = cold
-    m = _manifest(r)
+    m = run_manifest(r)
     assert m["status"] == "ok" and m["recipe"] == RECIPE
     for key in ("pte", "tokenizer", "model_dir", "stages", "verify"):
         assert m[key]
@@ -40,7 +34,7 @@ def test_build_verifies_and_answers_paris(cold):
 
 
 def test_pte_names_its_recipe_hash(cold):
-    m = _manifest(cold[0])
+    m = run_manifest(cold[0])
     pte = PteModule(Path(m["pte"]))
     assert pte.constant("get_recipe_hash") == m["build_hash"]
     assert pte.constant("get_max_seq_len") == m["config"]["export"]["prefill_chunk"]
@@ -50,6 +44,6 @@ def test_pte_names_its_recipe_hash(cold):
 def test_rerun_is_all_cache_hits(cold):
     r = run_cli(f"recipe={RECIPE}", "run.progress=false")
     assert r.returncode == 0
-    m = _manifest(r)
+    m = run_manifest(r)
     assert [s["cache"] for s in m["stages"]] == ["hit"] * 6
-    assert m["pte"] == _manifest(cold[0])["pte"]
+    assert m["pte"] == run_manifest(cold[0])["pte"]
