@@ -60,7 +60,7 @@ def _record_job_failure(cfg: DictConfig, err: Exception) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from pipeline.session import hydra_overrides
-    from pipeline.store import write_json_atomic
+    from pipeline.store.files import write_json_atomic
     path = Path(HydraConfig.get().runtime.output_dir) / "manifest.json"
     if not path.exists():
         write_json_atomic(path, {"status": "failed", "error": str(err), "overrides": hydra_overrides(),
@@ -69,6 +69,6 @@ def _record_job_failure(cfg: DictConfig, err: Exception) -> None:
 
 def main() -> None:
     _hydra_main()
-    from pipeline.sweep_report import SweepReport
+    from pipeline.report.sweep import SweepReport
     if SweepReport.failed_jobs:  # a sweep with failed jobs still writes its report, then says so
         sys.exit(1)

@@ -31,19 +31,16 @@ class DType(str, Enum):
     bf16 = "bf16"
 
 
-class LinearScheme(str, Enum):
-    none = "none"
-    w8 = "8w"
-    w4 = "4w"
-    da8w4 = "8da4w"
-    nvfp4 = "nvfp4"
+def _choices(name: str, values: list[str]) -> type[Enum]:
+    """A str Enum whose member names are its values: OmegaConf looks values up by name, and `8w` is no
+    identifier, so these are built with the functional API (LinearScheme["8w"])."""
+    return Enum(name, [(x, x) for x in values], type=str)
 
 
-class EmbeddingScheme(str, Enum):
-    none = "none"
-    w8 = "8w"
-    w4 = "4w"
-    nvfp4 = "nvfp4"
+LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "nvfp4"])
+EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
+# the stages in build order (pipeline/stages checks its modules against it): run.until's choices
+Stage = _choices("Stage", ["download", "wrap", "quantize", "export", "lower", "verify"])
 
 
 class CacheMode(str, Enum):
@@ -60,7 +57,7 @@ class LogitsMode(str, Enum):
 class Exporter(str, Enum):
     native = "native"                # wrap -> torch.export -> lower: one runner-layout program (model.pte)
     transformers = "transformers"    # transformers.exporters.ExecutorchExporter: prefill.pte + decode.pte,
-                                     # KV cache as program input/output (pipeline/hf_exporter.py)
+                                     # KV cache as program input/output
 
 
 class BackendName(str, Enum):
@@ -107,9 +104,9 @@ class ModelConfig:
 
 @dataclass
 class QuantizeConfig:
-    linear: str = LinearScheme.none.value        # LinearScheme (names like 8w are not identifiers)
+    linear: LinearScheme = LinearScheme["none"]
     linear_group_size: int = 32               # 0 = per output channel
-    embedding: str = EmbeddingScheme.none.value  # EmbeddingScheme
+    embedding: EmbeddingScheme = EmbeddingScheme["none"]
     embedding_group_size: int = 32            # 0 = per row
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
 
@@ -117,6 +114,8 @@ class QuantizeConfig:
 @dataclass
 class CacheConfig:
     mode: CacheMode = CacheMode.static
+    # the reference's two switches; which values a mode takes is declared by the mode
+    # (pipeline/model/cache_modes/<mode>.py: FLAGS) and checked by preflight
     custom_sdpa: bool = False
     custom_kv_cache: bool = False
 
@@ -128,7 +127,7 @@ class ExportConfig:
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.last
     strict: bool = True
-    exporter: Exporter = Exporter.native      # who exports and lowers; `transformers`: see pipeline/hf_exporter.py
+    exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
 
 
 @dataclass
@@ -183,7 +182,7 @@ class VerifyConfig:
 class RunConfig:
     output_dir: str = "outputs"               # must stay inside <project>/outputs
     progress: bool = True
-    until: Optional[str] = None               # last stage to run (e.g. lower: build without verify)
+    until: Optional[Stage] = None             # last stage to run (e.g. lower: build without verify)
 
 
 @dataclass

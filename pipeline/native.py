@@ -91,7 +91,7 @@ def kernels_library_path(build: bool = True) -> Path:
     """native/build/libllmpipe_kernels.so (the off-graph kernel + cache C API), built if needed.
 
     Load it with ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL) before loading an offgraph program's
-    `forward` in the ExecuTorch Python runtime (pipeline.offgraph.load_native_kernels does that).
+    `forward` in the ExecuTorch Python runtime (pipeline.runtimes.native_cache.load_native_kernels does that).
     """
     if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(KERNELS_LIB)):
         build_native()

@@ -1,17 +1,13 @@
 """One build: preflight, then each stage from the cache or freshly built, then the run manifest.
 
-A stage's cache key = hash(stage name, version, its config slice, upstream keys, tool versions, the
-source of the modules it runs). Stage entries are published atomically; the run directory links them.
+A stage's cache key (pipeline/store/key.py) = hash(stage name, version, its config slice, upstream keys, tool
+versions, the code it runs). Stage entries are published atomically; the run directory links them.
 """
 from __future__ import annotations
 
 import gc
-import hashlib
-import importlib.metadata as md
 import logging
 import os
-import platform
-import subprocess
 import sys
 import threading
 import time
@@ -21,61 +17,16 @@ from pathlib import Path
 import psutil
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import paths
-from pipeline.config import v
+from pipeline import paths, preflight
 from pipeline.errors import PipelineError, StageError
+from pipeline.exporters import EXPORTERS
+from pipeline.report.summary import print_summary
 from pipeline.stages import ORDER, STAGES, StageContext
-from pipeline.store import (SCHEMA_VERSION, Store, describe_outputs, now_iso, read_manifest, stable_hash,
-                            write_json_atomic)
+from pipeline.store import Store
+from pipeline.store.files import SCHEMA_VERSION, describe_outputs, now_iso, read_manifest, stable_hash, write_json_atomic
+from pipeline.store.key import config_slice, git_commit, lineage, stage_key, tool_versions
 
 log = logging.getLogger(__name__)
-
-TOOLS = ("torch", "executorch", "torchao", "transformers", "tokenizers", "gguf", "huggingface_hub")
-# modules every stage depends on, besides its own
-SHARED_SOURCES = ("pipeline/modeling.py", "pipeline/attention.py", "pipeline/custom_cache.py",
-                  "pipeline/offgraph.py", "pipeline/runtime.py", "pipeline/sources.py",
-                  "pipeline/geometry.py", "pipeline/tiny_tokenizer.py", "pipeline/hub.py")
-
-
-def tool_versions() -> dict:
-    out = {"python": platform.python_version()}
-    for t in TOOLS:
-        try:
-            out[t] = md.version(t.replace("_", "-"))
-        except md.PackageNotFoundError:
-            out[t] = None
-    return out
-
-
-def source_rev(stage_module) -> str:
-    """Hash of the code a stage runs: its module, the shared modules, and any SOURCES it declares."""
-    h = hashlib.sha256()
-    rels = (Path(stage_module.__file__).relative_to(paths.ROOT).as_posix(), *SHARED_SOURCES,
-            *getattr(stage_module, "SOURCES", ()))
-    for rel in rels:
-        target = paths.ROOT / rel
-        for f in sorted(target.rglob("*")) if target.is_dir() else [target]:
-            if f.is_file():
-                h.update(f.relative_to(paths.ROOT).as_posix().encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(paths.ROOT), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def config_slice(cfg: DictConfig, keys) -> dict:
-    out = {}
-    for k in keys:
-        node = OmegaConf.select(cfg, k)
-        out[k] = OmegaConf.to_container(node, resolve=True, enum_to_str=True) \
-            if isinstance(node, DictConfig) else v(node)
-    return out
 
 
 class PeakRSS:
@@ -140,11 +91,10 @@ def recipe_name() -> str | None:
 
 
 def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
-    from pipeline import validate
-
-    geometry = validate.check(cfg)              # every config problem, before any work
-    if cfg.run.until:
-        stages = tuple(stages[:stages.index(cfg.run.until) + 1])
+    geometry = preflight.check(cfg)             # every config problem, before any work
+    if cfg.run.until is not None:
+        until = getattr(cfg.run.until, "value", cfg.run.until)
+        stages = tuple(stages[:stages.index(until) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"
@@ -163,14 +113,8 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
             if name == "verify" and not cfg.verify.enabled:
                 continue
             mod = STAGES[name]
-            upstream = {p: keys[p] for p in ORDER if p in keys}
-            lineage = {"config": config_slice(cfg, mod.CONFIG_KEYS), "upstream": upstream, "tools": tools,
-                       "source_rev": source_rev(mod), "git_commit": commit}
-            key = stable_hash({
-                "stage": name, "version": mod.VERSION, "config": lineage["config"], "upstream": upstream,
-                "tools": tools, "source": lineage["source_rev"],
-            })[:24]
-            keys[name] = key
+            lin = lineage(mod, cfg, {p: keys[p] for p in ORDER if p in keys}, tools, commit)
+            key = keys[name] = stage_key(mod, lin)
             record = {"name": name, "key": key}
             manifest["stages"].append(record)
             t0 = time.perf_counter()
@@ -179,7 +123,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
                 with store.lock(name, key):
                     entry = store.lookup(name, key)  # someone else may have built it meanwhile
                     if entry is None:
-                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, lineage, rdir)
+                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, lin, rdir)
                         record["cache"] = "miss"
             record.setdefault("cache", "hit")
             record.update(seconds=round(time.perf_counter() - t0, 2), status="ok", path=str(entry))
@@ -201,25 +145,20 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
         raise
     finally:
         manifest["seconds"] = round(time.perf_counter() - t_start, 2)
-        _finish_manifest(manifest, entries)
+        _finish_manifest(manifest, entries, cfg)
         write_json_atomic(rdir / "manifest.json", manifest)
         manifest["run_manifest"] = str(rdir / "manifest.json")
         if manifest["status"] in ("ok", "failed"):
-            from pipeline.summary import print_summary
             print_summary(manifest)
     return manifest
 
 
-def _finish_manifest(manifest: dict, entries: dict) -> None:
+def _finish_manifest(manifest: dict, entries: dict, cfg) -> None:
     if "download" in entries:
         manifest["model_dir"] = str(entries["download"] / "model")
         manifest["tokenizer"] = str(entries["download"] / "model" / "tokenizer.json")
     if "lower" in entries:
-        manifest["pte"] = str(entries["lower"] / "model.pte")
-        if not (entries["lower"] / "model.pte").exists() and (entries["lower"] / "export.json").exists():
-            # export.exporter=transformers: the entry is an ExportedModel.from_pretrained folder of two programs
-            manifest["pte"] = str(entries["lower"])
-            manifest["programs"] = {n: str(entries["lower"] / f"{n}.pte") for n in ("prefill", "decode")}
+        manifest.update(EXPORTERS[cfg.export.exporter].artifacts(entries["lower"]))
     verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
     if verify:
         manifest["verify"] = verify["metrics"]
@@ -231,15 +170,15 @@ def _link(link: Path, target: Path) -> None:
     link.symlink_to(target)
 
 
-def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lineage, rdir) -> Path:
+def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir) -> Path:
     tmp = store.new_temp(mod.NAME, key)
     ctx = StageContext(cfg=cfg, out=tmp, inputs=inputs, geometry=geometry, build_hash=bhash,
                        progress=cfg.run.progress)
     m = {
         "schema_version": SCHEMA_VERSION, "stage": mod.NAME, "version": mod.VERSION, "key": key,
-        "config": lineage["config"],
-        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in lineage["upstream"].items()},
-        "tools": lineage["tools"], "source_rev": lineage["source_rev"], "git_commit": lineage["git_commit"],
+        "config": lin["config"],
+        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in lin["upstream"].items()},
+        "tools": lin["tools"], "source_rev": lin["source_rev"], "git_commit": lin["git_commit"],
         "started": now_iso(),
     }
     t0 = time.perf_counter()

@@ -1,0 +1,19 @@
+"""The backends, one module (or package) each; the file name is the `backend.name` value.
+
+Each declares:
+    RUNTIME: str             -- the runtime that runs its programs here (pipeline/runtimes/<RUNTIME>)
+    NATIVE_RUNNER: bool      -- the C++ runners (native/) run its programs
+    REFUSED: dict            -- quantization scheme -> why this backend cannot build it (preflight refuses it)
+    setup()                  -- register the ops its programs and its lowering need
+    prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
+    partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower
+    executorch_config(cfg)   -- the ExecutorchBackendConfig of to_executorch
+    handover(model, q)       -- the forms its lowering gets right, for the transformers exporter's route
+    cross_check_runtime(mode) -- another runtime verify also compares against, when this machine has one
+"""
+from __future__ import annotations
+
+from pipeline.backends import mlx, portable, xnnpack
+from pipeline.registry import Registry
+
+BACKENDS = Registry("backend.name", {m.__name__.rsplit(".", 1)[-1]: m for m in (xnnpack, portable, mlx)})

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.config import Stage
 from pipeline.stages import download, export, lower, quantize, verify, wrap
 
 STAGES = {m.NAME: m for m in (download, wrap, quantize, export, lower, verify)}
-ORDER = ("download", "wrap", "quantize", "export", "lower", "verify")
+ORDER = tuple(s.value for s in Stage)  # the schema's list (run.until's choices) is the order
 
 
 @dataclass
@@ -42,3 +43,5 @@ def validate_order(order: tuple[str, ...] = ORDER) -> None:
 
 
 validate_order()
+if set(ORDER) != set(STAGES):
+    raise ValueError(f"stage modules {sorted(STAGES)} differ from the schema's stages {list(ORDER)}")

@@ -13,10 +13,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline import sources
+from pipeline.model import sources
 from pipeline.config import v
-from pipeline.progress import spinner
-from pipeline.store import sha256_file
+from pipeline.report.progress import spinner
+from pipeline.store.files import sha256_file
 
 NAME, VERSION = "download", 1
 AFTER: tuple[str, ...] = ()
@@ -28,30 +28,30 @@ log = logging.getLogger(__name__)
 def run(ctx) -> dict:
     m = ctx.cfg.model
     out = ctx.out / "model"
-    source = v(m.source)
-    info = {"source": source}
-    if source == "random":
-        _random(m, out)
-    elif source == "local":
-        shutil.copytree(Path(m.path).expanduser(), out, ignore=shutil.ignore_patterns(".git*"))
-    elif source == "gguf":
-        info.update(_gguf(m, ctx, out))
-    elif source == "hf":
-        from pipeline.hub import snapshot
-        with spinner(f"download {m.repo_id}", ctx.progress):
-            folder, commit = snapshot(m, out)
-        shutil.copytree(folder, out, symlinks=False)
-        info.update(repo_id=m.repo_id, requested_revision=m.revision, commit=commit)
+    info = {"source": v(m.source), **FETCH[v(m.source)](m, ctx, out)}
     _ensure_tokenizer_json(out, trust_remote_code=m.trust_remote_code)
     ctx.info.update(info)
     return info
 
 
-def _random(m, out: Path) -> None:
+def _hf(m, ctx, out: Path) -> dict:
+    from pipeline.model.hub import snapshot
+    with spinner(f"download {m.repo_id}", ctx.progress):
+        folder, commit = snapshot(m, out)
+    shutil.copytree(folder, out, symlinks=False)
+    return {"repo_id": m.repo_id, "requested_revision": m.revision, "commit": commit}
+
+
+def _local(m, ctx, out: Path) -> dict:
+    shutil.copytree(Path(m.path).expanduser(), out, ignore=shutil.ignore_patterns(".git*"))
+    return {}
+
+
+def _random(m, ctx, out: Path) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.tiny_tokenizer import train
+    from pipeline.model.tiny_tokenizer import train
 
     cfg = dict(sources.random_hf_config(m.random))
     model_type = cfg.pop("model_type")
@@ -60,6 +60,7 @@ def _random(m, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
     train(m.random.vocab_size, out)
+    return {}
 
 
 def _gguf(m, ctx, out: Path) -> dict:
@@ -85,6 +86,10 @@ def _gguf(m, ctx, out: Path) -> dict:
         tok.save_pretrained(out)
     shutil.rmtree(scratch)
     return info
+
+
+# model.source -> how its files arrive (the sources and their geometry: pipeline/model/sources.py)
+FETCH = {"hf": _hf, "local": _local, "gguf": _gguf, "random": _random}
 
 
 def _ensure_tokenizer_json(folder: Path, trust_remote_code: bool) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pipeline.config import v
-from pipeline.progress import spinner
+from pipeline.report.progress import spinner
 
 NAME, VERSION = "quantize", 1
 AFTER = ("wrap",)

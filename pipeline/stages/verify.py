@@ -1,4 +1,4 @@
-"""verify: run the .pte in the ExecuTorch Python runtime and measure it against eager, on fixed prompts.
+"""verify: run the built program in its runtime (pipeline/runtimes) and measure it against eager, on fixed prompts.
 
     python -m pipeline recipe=smollm2_xnnpack_8da4w verify.max_new_tokens=32
 
@@ -6,7 +6,8 @@ Two references: the eager module with the same quantization (did export and lowe
 program? tight thresholds) and the unquantized eager module (what did quantization cost? looser).
 Figures per prompt: greedy token match over N new tokens, and teacher-forced over the reference's
 tokens (so one early drift does not hide everything after it): max abs logit error, top-1 agreement,
-mean KL divergence. Thresholds come from verify.same_quant / verify.vs_float.
+mean KL divergence. Thresholds come from verify.same_quant / verify.vs_float. Then, where they run the
+program, the C++ runners on the same prompt ids: their greedy tokens must equal the Python runtime's.
 """
 from __future__ import annotations
 
@@ -16,18 +17,19 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from pipeline import modeling
+from pipeline import native
+from pipeline.abi import DTYPES, EOS_IDS
+from pipeline.backends import BACKENDS
 from pipeline.config import v
-from pipeline.progress import bar, spinner
-from pipeline.mlx_interpreter import UnsupportedInstruction
-from pipeline.runtime import PteModule
+from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.report.progress import bar, spinner
+from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
+from pipeline.runtimes.base import run_sequence
 
 NAME, VERSION = "verify", 1
 AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
-SOURCES = ("pipeline/native.py", "native/src", "native/CMakeLists.txt")  # the C++ runner it checks against
-SOURCES += ("pipeline/hf_runtime.py",)  # export.exporter=transformers: the two-program layout's runtime
-SOURCES += ("pipeline/mlx_interpreter.py",)  # backend=mlx: the runtime of MLX programs here
+SOURCES = ("native/src", "native/CMakeLists.txt")  # the C++ runners it checks against
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 @torch.no_grad()
 def greedy(module, ids: list[int], n: int, chunk: int, eos: set[int]) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy decode n tokens (stops early at EOS); returns the tokens and each step's logits."""
-    logits = modeling.run_sequence(module, ids, chunk)
+    logits = run_sequence(module, ids, chunk)
     out, steps = [], []
     for i in range(n):
         steps.append(logits)
@@ -55,16 +57,16 @@ def greedy(module, ids: list[int], n: int, chunk: int, eos: set[int]) -> tuple[l
         out.append(tok)
         if tok in eos or i == n - 1:
             break
-        logits = modeling.run_sequence(module, [tok], 1, start=len(ids) + i)
+        logits = run_sequence(module, [tok], 1, start=len(ids) + i)
     return out, steps
 
 
 @torch.no_grad()
 def teacher_forced(module, ids: list[int], targets: list[int], chunk: int) -> list[torch.Tensor]:
     """Logits predicting each target, feeding the targets themselves (not the module's own choices)."""
-    steps = [modeling.run_sequence(module, ids, chunk)]
+    steps = [run_sequence(module, ids, chunk)]
     for i, tok in enumerate(targets[:-1]):
-        steps.append(modeling.run_sequence(module, [tok], 1, start=len(ids) + i))
+        steps.append(run_sequence(module, [tok], 1, start=len(ids) + i))
     return steps
 
 
@@ -106,40 +108,18 @@ def check(figures: dict, th, n_ref: int, label: str) -> list[str]:
     return problems
 
 
-def runtime_cache_args(ctx) -> dict:
+def cache_policy(ctx) -> CachePolicy:
     """verify.runtime: the runtime-owned cache policy an off-graph program runs under."""
     rt = ctx.cfg.verify.runtime
-    dtype = modeling.DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None
-    return {"capacity": rt.kv_max_capacity or ctx.cfg.export.max_context_len,
-            "initial_capacity": rt.kv_initial_capacity, "kv_dtype": dtype,
-            "windows": list(rt.kv_windows) if rt.kv_windows is not None else None}
-
-
-def program_module(ctx):
-    """The .pte in the Python runtime; an off-graph program gets a runtime cache sized to the context, and
-    both cache modes with our attention ops get our kernel library."""
-    # --- export.exporter=transformers: prefill.pte + decode.pte, KV cache as program I/O (pipeline/hf_runtime.py) ---
-    if v(ctx.cfg.export.exporter) == "transformers":  # backend=mlx: the pair's MLX payloads run by our interpreter
-        from pipeline.hf_runtime import open_pair
-        return open_pair(ctx.inputs["lower"], runner="mlx" if v(ctx.cfg.backend.name) == "mlx" else "executorch")
-    # --- end export.exporter=transformers ---
-    path = ctx.inputs["lower"] / "model.pte"
-    mode = v(ctx.cfg.cache.mode)
-    if v(ctx.cfg.backend.name) == "mlx":  # no MLX runtime on Linux: our interpreter of the delegate payload
-        from pipeline.mlx_interpreter import MLXPteModule
-        return MLXPteModule(path, **runtime_cache_args(ctx))
-    if mode == "offgraph":
-        from pipeline.offgraph import OffgraphPteModule
-        return OffgraphPteModule(path, **runtime_cache_args(ctx))
-    if mode == "custom":  # llmpipe::cached_attention.out lives in native/'s kernel library
-        from pipeline.offgraph import load_native_kernels
-        load_native_kernels()
-    return PteModule(path)
+    return CachePolicy(capacity=rt.kv_max_capacity or ctx.cfg.export.max_context_len,
+                       initial_capacity=rt.kv_initial_capacity,
+                       windows=list(rt.kv_windows) if rt.kv_windows is not None else None,
+                       kv_dtype=DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None)
 
 
 def native_args(ctx) -> list[str]:
-    """The runner flags of verify.runtime (off-graph programs only)."""
-    if v(ctx.cfg.cache.mode) != "offgraph":
+    """The runner flags of verify.runtime (modes whose cache the runtime owns)."""
+    if not CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
         return []
     rt = ctx.cfg.verify.runtime
     args = ["--kv-max-capacity", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
@@ -151,10 +131,13 @@ def native_args(ctx) -> list[str]:
     return args
 
 
+def program_file(ctx):
+    return ctx.inputs["lower"] / program_info(ctx.inputs["lower"])["file"]
+
+
 def native_check(ctx, ids: list[int], n: int) -> dict:
     """Greedy through the C++ runner on the same prompt ids; returns its tokens and speed figures."""
-    from pipeline import native
-    stats = native.run(ctx.inputs["lower"] / "model.pte", ctx.inputs["download"] / "model" / "tokenizer.json",
+    stats = native.run(program_file(ctx), ctx.inputs["download"] / "model" / "tokenizer.json",
                        prompt_ids=ids, max_new_tokens=n, extra_args=native_args(ctx))
     keep = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "load_ms", "peak_rss_mib", "cache_report", "cache_bytes")
     return {"generated_ids": list(stats["generated_ids"]), **{k: stats.get(k) for k in keep}}
@@ -163,54 +146,41 @@ def native_check(ctx, ids: list[int], n: int) -> dict:
 def batched_check(ctx, all_ids: list[list[int]], singles: list[list[int]]) -> dict:
     """The prompts as concurrent sessions of llm_batched_runner: each must generate what its single-session
     C++ run generated (greedy), while sharing forwards."""
-    from pipeline import native
     rt = ctx.cfg.verify.runtime
     args = ["--max-session-tokens", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
             "--kv-initial-capacity", str(rt.kv_initial_capacity)]
     if rt.kv_storage_dtype is not None:
         args += ["--kv-storage-dtype", v(rt.kv_storage_dtype)]
-    gens, engine = native.run_batched(ctx.inputs["lower"] / "model.pte", all_ids,
+    gens, engine = native.run_batched(program_file(ctx), all_ids,
                                       max_new_tokens=max(len(s) for s in singles), extra_args=args)
     equal = [g["generated_ids"][:len(s)] == s for g, s in zip(gens, singles)]
     return {"sessions": len(gens), "parity": all(equal), "equal": equal, "forwards": engine["forwards"],
             "rows_per_forward": engine["rows_per_forward"], "decode_tok_s": engine["decode_tok_s"]}
 
 
-def _mlx_version() -> str:
-    import importlib.metadata as md
-    return md.version("mlx")
-
-
-def unsupported_status(ctx, err) -> dict:
-    """An instruction the interpreter has no handler for: never a silent pass."""
+def unsupported_status(ctx, err: Unsupported) -> dict:
+    """A program the runtime cannot run (e.g. an instruction the MLX interpreter has no handler for): never a
+    silent pass."""
     status = f"unsupported: {err.op}"
     report = {"prompts": [], "summary": {"status": status}, "problems": [{"prompt": "(program)",
               "problems": [str(err)], "reference_text": "", "pte_text": ""}], "passed": False}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2))
     ctx.info["verify_report"] = report
     if ctx.cfg.verify.fail_on_unsupported:
-        raise VerifyFailed(f"verify gate failed: {status}: pipeline.mlx_interpreter cannot run this program "
-                           f"(verify.fail_on_unsupported=false records it and skips the checks)")
+        runtime = RUNTIMES[program_info(ctx.inputs["lower"])["runtime"]].describe()
+        raise VerifyFailed(f"verify gate failed: {status}: {runtime} cannot run this program "
+                           "(verify.fail_on_unsupported=false records it and skips the checks)")
     log.warning("verify %s: checks skipped (verify.fail_on_unsupported=false)", status)
     return {"status": status}
 
 
-def mlx_runtime_module(ctx):
-    """The real ExecuTorch MLX runtime, when this ExecuTorch build registers MLXBackend (Apple Silicon)."""
-    if v(ctx.cfg.backend.name) != "mlx":
-        return None
-    from executorch.runtime import Runtime
-    if not Runtime.get().backend_registry.is_available("MLXBackend"):
-        return None
-    if v(ctx.cfg.export.exporter) == "transformers":  # the pair, in the real runtime
-        from pipeline.hf_runtime import open_pair
-        return open_pair(ctx.inputs["lower"], runner="executorch")
-    if v(ctx.cfg.cache.mode) == "offgraph":  # its cache is installed by the MLX runner, not the Python runtime
-        return None
-    return PteModule(ctx.inputs["lower"] / "model.pte")
+def cross_check_module(ctx):
+    """Another runtime this machine has for the program (the real MLX runtime on a Mac), or None."""
+    other = BACKENDS[ctx.cfg.backend.name].cross_check_runtime(v(ctx.cfg.cache.mode))
+    return None if other is None else (other, open_program(ctx.inputs["lower"], runtime=other))
 
 
-def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime) -> tuple[list, list]:
+def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, list]:
     """Each prompt: the program against both eager references (and the other runtimes that apply)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     prompts, problems = [], []
@@ -238,10 +208,11 @@ def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime) -> tuple[li
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:  # 1e-3: noise floor near 0
             found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
                          f"{cost['kld']:.4g}")
-        if mac_runtime is not None:  # on a Mac: the real MLX runtime must agree with the interpreter
-            entry["mlx_runtime"] = {"generated_ids": greedy(mac_runtime, ids, n, chunk, eos)[0]}
-            if entry["mlx_runtime"]["generated_ids"] != got:
-                found.append("ExecuTorch MLX runtime vs pipeline.mlx_interpreter: tokens differ")
+        if other is not None:  # e.g. on a Mac: the real MLX runtime must agree with the interpreter
+            name, module = other
+            entry["cross_check"] = {"runtime": name, "generated_ids": greedy(module, ids, n, chunk, eos)[0]}
+            if entry["cross_check"]["generated_ids"] != got:
+                found.append(f"runtime {name} vs the program's own runtime: tokens differ")
         if vc.native:
             entry["native"] = native_check(ctx, ids, n)
             if entry["native"]["generated_ids"] != got:
@@ -255,6 +226,31 @@ def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime) -> tuple[li
     return prompts, problems
 
 
+def summarize(prompts: list, quantized: bool) -> dict:
+    """Each reference's figures over all prompts (greedy totals, worst logit error, mean top-1 and KLD)."""
+    return {
+        key: {
+            "greedy_match": sum(p[key]["greedy_match"] for p in prompts),
+            "greedy_total": sum(len(p["reference" if key == "same_quant" else "float_reference"]) for p in prompts),
+            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
+            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
+            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
+        } for key in ("same_quant", "vs_float") + (("quant_cost",) if quantized else ())
+    }
+
+
+def summarize_native(prompts: list) -> dict:
+    runs = [p["native"] for p in prompts]
+    return {
+        "token_parity": all(p["native"]["generated_ids"] == p["pte"] for p in prompts),
+        "prefill_tok_s": _median([r["prefill_tok_s"] for r in runs]),
+        "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
+        "peak_rss_mib": max((r["peak_rss_mib"] or 0) for r in runs),
+        "cache_report": runs[0].get("cache_report"),
+        "cache_bytes": max((r.get("cache_bytes") or -1) for r in runs),
+    }
+
+
 def run(ctx) -> dict:
     from transformers import AutoTokenizer
 
@@ -262,54 +258,32 @@ def run(ctx) -> dict:
     tok = AutoTokenizer.from_pretrained(ctx.inputs["download"] / "model")
     # the stop set the program publishes (get_eos_ids), the same one the C++ runner uses
     lowered = json.loads((ctx.inputs["lower"] / "lower.json").read_text())
-    eos = set(lowered["constant_methods"]["get_eos_ids"])
+    eos = set(lowered["constant_methods"][EOS_IDS])
     quantized = json.loads((ctx.inputs["quantize"] / "quantize.json").read_text())
-    with spinner("load eager references and the program", ctx.progress):
-        eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
-        eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
-            torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-        try:
-            pte = program_module(ctx)
-        except UnsupportedInstruction as err:
-            return unsupported_status(ctx, err)
-    mac_runtime = mlx_runtime_module(ctx)
+    runtime = RUNTIMES[lowered["program"]["runtime"]]
     try:
-        prompts, problems = check_prompts(ctx, tok, pte, eager_q, eager_f, eos, mac_runtime)
-    except UnsupportedInstruction as err:
+        with spinner("load eager references and the program", ctx.progress):
+            eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
+            eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
+                torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+            pte = open_program(ctx.inputs["lower"], policy=cache_policy(ctx))
+        other = cross_check_module(ctx)
+        prompts, problems = check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other)
+    except Unsupported as err:
         return unsupported_status(ctx, err)
-    summary = {
-        key: {
-            "greedy_match": sum(p[key]["greedy_match"] for p in prompts),
-            "greedy_total": sum(len(p["reference" if key == "same_quant" else "float_reference"]) for p in prompts),
-            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
-            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
-            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
-        } for key in ("same_quant", "vs_float") + (("quant_cost",) if eager_q is not eager_f else ())
-    }
+    summary = summarize(prompts, quantized=eager_q is not eager_f)
+    summary["runtime"] = runtime.describe()
+    summary["cross_check"] = other[0] if other else None
+    if vc.native:
+        summary["native"] = summarize_native(prompts)
     if vc.batched:
-        batched = batched_check(ctx, [p["prompt_ids"] for p in prompts], [p["native"]["generated_ids"] for p in prompts])
+        summary["batched"] = batched = batched_check(ctx, [p["prompt_ids"] for p in prompts],
+                                                     [p["native"]["generated_ids"] for p in prompts])
         if not batched["parity"]:
             problems.append({"prompt": "(all, as concurrent sessions)", "problems": [
                 f"llm_batched_runner sessions vs single-session C++ runs: tokens differ for prompts "
                 f"{[i for i, ok in enumerate(batched['equal']) if not ok]}"],
                 "reference_text": "", "pte_text": ""})
-    if vc.native:
-        runs = [p["native"] for p in prompts]
-        summary["native"] = {
-            "token_parity": all(p["native"]["generated_ids"] == p["pte"] for p in prompts),
-            "prefill_tok_s": _median([r["prefill_tok_s"] for r in runs]),
-            "decode_tok_s": _median([r["decode_tok_s"] for r in runs]),
-            "peak_rss_mib": max((r["peak_rss_mib"] or 0) for r in runs),
-            "cache_report": runs[0].get("cache_report"),
-            "cache_bytes": max((r.get("cache_bytes") or -1) for r in runs),
-        }
-    if vc.batched:
-        summary["batched"] = batched
-    if v(ctx.cfg.backend.name) == "mlx":
-        summary["runner"] = "pipeline.mlx_interpreter (mlx " + _mlx_version() + ", CPU)"
-        summary["mlx_runtime"] = "compared" if mac_runtime is not None else \
-            "not registered in this ExecuTorch build (MLXBackend needs Apple Silicon)"
-        summary["status"] = "ok"
     report = {"prompts": prompts, "summary": summary, "problems": problems, "passed": not problems}
     (ctx.out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False))
     ctx.info["verify_report"] = report

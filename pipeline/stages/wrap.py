@@ -11,9 +11,11 @@ import logging
 
 import torch
 
-from pipeline import modeling
 from pipeline.config import v
-from pipeline.progress import spinner
+from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.loading import load_hf_model
+from pipeline.report.progress import spinner
+from pipeline.runtimes.base import run_sequence
 
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
@@ -28,11 +30,11 @@ def run(ctx) -> dict:
     e, g = ctx.cfg.export, ctx.geometry
     model_dir = ctx.inputs["download"] / "model"
     with spinner("load model", ctx.progress):
-        model = modeling.load_hf_model(model_dir, v(e.dtype))
+        model = load_hf_model(model_dir, v(e.dtype))
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
-    module = modeling.wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk)
+    module = CACHE_MODES[mode].wrap(model, e.max_context_len, logits_mode, e.prefill_chunk).eval()
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     tol = SELF_CHECK_TOL[dtype]
@@ -62,8 +64,8 @@ def self_check(module, model, context: int, chunk: int, window, vocab: int) -> d
     ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
     full = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
     prefill = n - 4
-    errs = [(modeling.run_sequence(module, ids[:prefill], chunk) - full[prefill - 1]).abs().max().item()]
+    errs = [(run_sequence(module, ids[:prefill], chunk) - full[prefill - 1]).abs().max().item()]
     for i in range(prefill, n):
-        step = modeling.run_sequence(module, [ids[i]], 1, start=i)
+        step = run_sequence(module, [ids[i]], 1, start=i)
         errs.append((step - full[i]).abs().max().item())
     return {"tokens": n, "max_abs_err": max(errs)}

@@ -47,8 +47,9 @@ def print_summary(m: dict) -> None:
                 continue
             print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
                   f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
-    if v and v.get("runner"):
-        print(f"  verify ran on {v['runner']}; ExecuTorch MLX runtime: {v.get('mlx_runtime')}")
+    if v and v.get("runtime"):
+        cross = f"; also compared with the {v['cross_check']} runtime" if v.get("cross_check") else ""
+        print(f"  verify ran on {v['runtime']}{cross}")
     if v and str(v.get("status", "")).startswith("unsupported"):
         print(f"  verify status: {v['status']} (checks skipped)")
     nat = (v or {}).get("native")
@@ -60,7 +61,7 @@ def print_summary(m: dict) -> None:
     if bat:
         print(f"  batched runner: {bat['sessions']} sessions {'equal' if bat['parity'] else 'DIFFER from'} their "
               f"single-session runs, {bat['rows_per_forward']:.2f} rows per forward")
-    if m.get("programs"):  # export.exporter=transformers: two programs, KV cache as program I/O
+    if m.get("programs"):  # a route that builds several programs (transformers: prefill + decode, KV cache as I/O)
         print("  programs: " + ", ".join(f"{n} {_size(Path(p).stat().st_size)}" for n, p in m["programs"].items())
               + " (transformers.exporters layout; ExportedModel.from_pretrained(pte folder))")
     if m.get("pte"):

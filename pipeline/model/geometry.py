@@ -42,11 +42,13 @@ class Geometry:
         }
 
 
-def layer_types_from(cfg: dict) -> list[str]:
-    n = cfg["num_hidden_layers"]
-    if cfg.get("layer_types"):
-        return list(cfg["layer_types"])
-    if cfg.get("sliding_window") and cfg.get("model_type") not in ("llama",):
+def layer_types(cfg) -> list[str]:
+    """Each layer's attention type, from an HF config (a dict or a config object)."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    n = get("num_hidden_layers")
+    if get("layer_types"):
+        return list(get("layer_types"))
+    if get("sliding_window") and get("model_type", "") not in ("llama",):
         return ["sliding_attention"] * n
     return ["full_attention"] * n
 
@@ -54,7 +56,7 @@ def layer_types_from(cfg: dict) -> list[str]:
 def from_hf_config(cfg: dict) -> Geometry:
     heads = cfg["num_attention_heads"]
     sliding = cfg.get("sliding_window")
-    types = layer_types_from(cfg)
+    types = layer_types(cfg)
     return Geometry(
         arch=cfg.get("model_type", "?"),
         hidden_size=cfg["hidden_size"],

@@ -21,9 +21,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                ring_runs, step_args)
-from pipeline.offgraph import cache_layout
+from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+                                      step_args)
+from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
+
+FLAGS = {"custom_sdpa": True, "custom_kv_cache": True}
+FLAGS_WHY = "one fused op updates the in-graph cache and attends: both flags"
+RUNTIME_OWNED = False     # the cache is in the program
+RINGS = True              # sliding layers hold window + chunk - 1 slots
+KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out: native/'s kernel library
 
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
@@ -72,11 +78,6 @@ if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
     _define()
 
 
-def ring_slots(window: int, chunk: int, context: int) -> int:
-    """Slots of a layer's cache: a ring of window + chunk - 1 (at most the context), or the context if flat."""
-    return min(window + chunk - 1, context) if window > 0 else context
-
-
 def constant_methods(cfg, context: int, chunk: int) -> dict:
     """get_ring_windows / get_ring_slots (one entry per ring layer), when the model has sliding layers."""
     rings = [s.window for s in cache_layout(cfg).specs if s.window > 0]
@@ -102,12 +103,9 @@ class CustomCacheLM(HookedAttentionLM):
     overwrites what follows it, so a rerun from 0 simply starts a new sequence.
     """
 
-    ATTN_IMPL = ATTN_IMPL
-    attention_fn = staticmethod(_custom_attention)
-
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last", *,
                  prefill_chunk: Optional[int] = None):
-        super().__init__(model, logits_mode)
+        super().__init__(model, logits_mode, ATTN_IMPL, _custom_attention)
         layout = cache_layout(model.config.get_text_config())
         chunk = prefill_chunk or max_context_len
         dtype = next(model.parameters()).dtype
@@ -132,3 +130,7 @@ class CustomCacheLM(HookedAttentionLM):
         for n, b in self.named_buffers():
             if n.endswith(("k_cache", "v_cache")):
                 b.zero_()
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int) -> nn.Module:
+    return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk)

@@ -1,4 +1,4 @@
-"""The transformers.exporters route (export.exporter=transformers): the export and lower stages' work.
+"""export.exporter=transformers: the transformers.exporters route, the export and lower stages' work.
 
     python -m pipeline recipe=tiny_llama_hf_exporter
     python -m pipeline recipe=smollm2_xnnpack_hf_exporter
@@ -10,10 +10,8 @@ program inputs and outputs. Around it, everything is ours: the same download/wra
 route (the wrapped eager modules stay verify's references), the stage cache, the manifests, verify.
 
 - export: the quantize stage's eager model is handed over (quantization is ours, torchao, not the exporter's
-  quantizer), after two module rewrites the exporter cannot be told about: weight-only linears in the forms XNNPACK
-  runs correctly (pipeline/backends/xnnpack_woq.py: the exporter's stock partitioner drops their scales), and
-  quantized embeddings as `quantized_decomposed::embedding_{byte,4bit}` (the exporter's ExecutorchBackendConfig does
-  no quant fusion, so torchao's `dequantize_affine` would be left without an out variant). Writes prefill.pte,
+  quantizer), after the module rewrites its backend needs (BACKENDS[name].handover: on xnnpack, weight-only
+  linears in the forms it runs correctly and quantized embeddings as ops with out variants). Writes prefill.pte,
   decode.pte, export.json (the exporter's own manifest: the pytree specs of each program's inputs and outputs),
   config.json, generation_config.json, and hf_export.json (ours: shapes, quantization handed over, delegation).
 - lower: the exporter already lowered; links the pair into its entry (so that entry is a complete
@@ -25,9 +23,8 @@ backend=mlx: the exporter's mlx backend refuses a StaticCache, so the capture ru
 1..context-1, and returns them grown by the new tokens), nothing is rewritten before the handover (the MLX
 partitioner lowers torchao's tensors itself), and the whole graph lands in the MLX delegate.
 
-Verify runs the pair through pipeline/hf_runtime.py (backend=mlx: DynamicCacheModule, each program's MLX payload
-executed by pipeline/mlx_interpreter.py). The C++ runner does not know this layout (preflight refuses
-verify.native=true, see pipeline/validate.py).
+Verify runs the pair through pipeline/runtimes/pair.py in the backend's runtime. The C++ runner does not know this
+layout: `problems` below refuses verify.native=true, with what else this route cannot build.
 """
 from __future__ import annotations
 
@@ -42,11 +39,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.backends import BACKENDS
 from pipeline.config import v
-from pipeline.progress import spinner
+from pipeline.exporters.native import runner_constants
+from pipeline.report.progress import spinner
+from pipeline.runtimes.executorch import load_kernels
 
 log = logging.getLogger(__name__)
 
+# the exporter's xnnpack backend lowers from a StaticCache capture; its mlx backend refuses one: a DynamicCache
+CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
+# export + lower peak RSS over the fp32 weights: SmolLM2 fp32 (prefill then decode, one model alive at a time) 4.3 GiB
+EXPORT_PEAK_OVER_WEIGHTS = 8.5
 COMPONENTS = ("prefill", "decode")
 # files of an exporter folder that the lower entry carries (ExportedModel.from_pretrained reads them)
 FOLDER_FILES = ("prefill.pte", "decode.pte", "export.json", "config.json", "generation_config.json")
@@ -54,81 +58,14 @@ FOLDER_FILES = ("prefill.pte", "decode.pte", "export.json", "config.json", "gene
 TOKEN_AXIS = {"input_ids": 1, "position_ids": 1, "attention_mask": 2}
 
 
-# --- handover: the quantize stage's model in forms the exporter's stock lowering gets right --------------------
-
-class QuantizedEmbedding(nn.Module):
-    """A torchao weight-only embedding as `quantized_decomposed::embedding_byte` / `embedding_4bit`.
-
-    Same numbers as torchao's dequantize ((q - zero_point) * scale, small integers times a float), but an op with
-    an out variant in ExecuTorch's quantized kernels, so no quant-fusion pass is needed at to_executorch.
-    """
-
-    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, zero_point, bits: int):
-        super().__init__()
-        self.bits = bits
-        self.qmin, self.qmax = (-8, 7) if bits == 4 else (-128, 127)
-        if bits == 4:  # two values a byte, offset to [0, 15], even column in the high nibble (the kernel's layout)
-            u = (qdata.to(torch.int16) + 8).to(torch.uint8)
-            qdata = (u[:, 0::2] << 4) | u[:, 1::2]
-        self.register_buffer("qweight", qdata.contiguous())
-        self.register_buffer("scales", scale.to(torch.float32).contiguous())
-        zp = None if zero_point is None or not bool((zero_point != 0).any()) else \
-            zero_point.to(torch.float32).reshape(self.scales.shape).contiguous()
-        self.register_buffer("zero_points", zp)
-
-    def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        op = torch.ops.quantized_decomposed.embedding_4bit if self.bits == 4 else \
-            torch.ops.quantized_decomposed.embedding_byte
-        return op.default(self.qweight, self.scales, self.zero_points, self.qmin, self.qmax, indices)
-
-
-def quantized_embeddings(model: nn.Module, bits: int) -> int:
-    """Swap torchao weight-only embeddings for QuantizedEmbedding; returns how many."""
-    import executorch.exir.passes._quant_patterns_and_replacements  # noqa: F401  (defines the embedding ops)
-    n = 0
-    for _, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            w = getattr(child, "weight", None)
-            if not (isinstance(child, nn.Embedding) and hasattr(w, "qdata")):
-                continue
-            if list(w.block_size)[0] != 1:
-                raise ValueError(f"embedding {name}: unsupported block size {w.block_size}")
-            scale = w.scale[:, 0] if w.scale.dim() == 2 and w.scale.shape[1] == 1 else w.scale
-            zp = None if w.zero_point is None else w.zero_point.reshape(w.scale.shape)
-            if zp is not None and zp.dim() == 2 and zp.shape[1] == 1:
-                zp = zp[:, 0]
-            setattr(parent, name, QuantizedEmbedding(w.qdata, scale, zp, bits))
-            n += 1
-    return n
-
-
 def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Module, dict]:
-    """The quantize stage's HF model, rewritten for the exporter; returns it and what was done (for the manifest)."""
+    """The quantize stage's HF model, rewritten for the exporter by the backend; returns it and what was done."""
     module = torch.load(quantized_module_path, weights_only=False)
     model = module.model  # the wrapper's static cache buffers stay behind: the exporter brings its own cache
     del module
-    lin, emb = v(q.linear), v(q.embedding)
     done = {"applied_by": "pipeline quantize stage (torchao), before the handover", "exporter_quantizer": None,
-            "linear": lin, "embedding": emb, "linear_forms": {}, "quantized_embeddings": 0}
-    if backend == "mlx":  # no rewrite: the MLX partitioner lowers torchao's tensors as they are (XNNPACK's forms below)
-        n = sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))
-        done["linear_forms"] = {"torchao tensors (MLX QuantizedMatmulNode)": n} if n else {}
-        if emb != "none":
-            done["embedding_form"] = "torchao tensor (MLX DequantizeNode + TakeNode)"
-    elif lin in ("4w", "8w"):  # the stock partitioner would drop their scales (pipeline/backends/xnnpack_woq.py)
-        from pipeline.backends.xnnpack_woq import prepare_weight_only_linears
-        forms = prepare_weight_only_linears(model, 4 if lin == "4w" else 8)
-        # the exporter's stock partitioner delegates neither form: both run on portable kernels (correct, slower;
-        # the delegation report in hf_export.json / lower.json shows it)
-        done["linear_forms"] = {"quantized_decomposed::dequantize_per_channel + linear": forms["xnnpack_per_channel"],
-                                "quantized_decomposed::mixed_linear": forms["mixed_linear"]}
-    elif lin == "8da4w":
-        done["linear_forms"] = {"torchao 8da4w (XNNPACK dynamically quantized linear)":
-                                sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))}
-    if emb in ("4w", "8w") and backend != "mlx":
-        done["quantized_embeddings"] = quantized_embeddings(model, 4 if emb == "4w" else 8)
-        done["embedding_form"] = "quantized_decomposed::embedding_4bit" if emb == "4w" else \
-            "quantized_decomposed::embedding_byte"
+            "linear": v(q.linear), "embedding": v(q.embedding), "linear_forms": {}, "quantized_embeddings": 0}
+    done.update(BACKENDS[backend].handover(model, q))
     for m in model.modules():
         m.__dict__.pop("extra_repr", None)  # torchao's per-instance partial
     model.eval()
@@ -137,17 +74,13 @@ def handover_model(quantized_module_path: Path, q, backend: str) -> tuple[nn.Mod
 
 # --- export ---------------------------------------------------------------------------------------------------
 
-# the cache each backend's programs take: the exporter's mlx backend refuses a StaticCache
-CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
-
-
 def generation_config(model, context: int, backend: str = "xnnpack"):
     """Greedy generate() over a static cache of the full context (the decode program then takes a fixed-size cache),
     or for mlx over a dynamic cache (the decode program takes the cache so far, of any length)."""
     from transformers import GenerationConfig
     cfg = model.config.get_text_config()
     eos = cfg.eos_token_id
-    cache = {"cache_implementation": "static", "max_cache_len": context} if CACHE.get(backend, "StaticCache") == "StaticCache" else \
+    cache = {"cache_implementation": "static", "max_cache_len": context} if CACHE[backend] == "StaticCache" else \
         {"cache_implementation": "dynamic"}
     return GenerationConfig(**cache, do_sample=False,
                             pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else
@@ -195,18 +128,15 @@ def delegation(program) -> dict:
             "non_delegated_nodes": sum(b["non_delegated"] for b in by_op.values()), "by_op": by_op}
 
 
-def export_stage(ctx) -> dict:
+def export(ctx) -> dict:
     import torchao  # noqa: F401  (registers the quantized ops a torchao model traces to)
     from transformers.exporters import ExecutorchConfig, ExecutorchExporter, ExportedModel
     from transformers.exporters.utils import decompose_for_generation
 
-    from pipeline.runtime import load_kernels
     load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
 
     e, backend = ctx.cfg.export, v(ctx.cfg.backend.name)
-    if backend == "mlx":
-        from pipeline.backends.mlx import _import_mlx
-        _import_mlx()  # the wheel lacks the delegate's generated schema modules until this runs once
+    BACKENDS[backend].setup()
     path = ctx.inputs["quantize"] / "module.pt"
     model, quant = handover_model(path, ctx.cfg.quantize, backend)
     gen = generation_config(model, e.max_context_len, backend)
@@ -240,7 +170,7 @@ def export_stage(ctx) -> dict:
             "inputs": {k: (list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
                        for k, t in inputs.items()},
             "dynamic_tokens": [1, e.prefill_chunk],
-            **({"dynamic_past": [1, e.max_context_len - 1]} if name == "decode" and CACHE.get(backend) == "DynamicCache"
+            **({"dynamic_past": [1, e.max_context_len - 1]} if name == "decode" and CACHE[backend] == "DynamicCache"
                else {}),
             **delegation(components[name].program),
         }
@@ -250,7 +180,7 @@ def export_stage(ctx) -> dict:
     gc.collect()
     report["quantization"] = quant
     report["exporter"] = {"class": "transformers.exporters.ExecutorchExporter", "strict": bool(e.strict),
-                          "multi_token_decode": True, "cache": CACHE.get(backend, "StaticCache"), "max_cache_len": e.max_context_len}
+                          "multi_token_decode": True, "cache": CACHE[backend], "max_cache_len": e.max_context_len}
     (ctx.out / "hf_export.json").write_text(json.dumps(report, indent=2))
     sizes = {n: (ctx.out / f"{n}.pte").stat().st_size for n in COMPONENTS}
     return {"exporter": "transformers", "quantization": quant,
@@ -268,8 +198,7 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def lower_stage(ctx) -> dict:
-    from pipeline.stages.lower import constant_methods
+def lower(ctx) -> dict:
     src = ctx.inputs["export"]
     for name in FOLDER_FILES:
         if (src / name).exists():
@@ -278,12 +207,14 @@ def lower_stage(ctx) -> dict:
     comps = report["components"]
     lowered = {
         "layout": "prefill+decode (transformers.exporters), KV cache as program input/output",
-        "cache": report.get("exporter", {}).get("cache", "StaticCache"),
+        "cache": report["exporter"]["cache"],
+        "program": {"layout": "prefill_decode", "files": {n: f"{n}.pte" for n in COMPONENTS},
+                    "runtime": BACKENDS[ctx.cfg.backend.name].RUNTIME, "kernels": []},
         "programs": {n: {"file": f"{n}.pte", **{k: comps[n][k] for k in
                          ("delegated_subgraphs", "delegated_nodes", "non_delegated_nodes", "by_op")}}
                      for n in COMPONENTS},
         # these programs carry no constant methods: the values the native route bakes in, for verify and readers
-        "constant_methods": constant_methods(ctx),
+        "constant_methods": runner_constants(ctx),
         "delegated_nodes": sum(comps[n]["delegated_nodes"] for n in COMPONENTS),
         "non_delegated_nodes": sum(comps[n]["non_delegated_nodes"] for n in COMPONENTS),
     }
@@ -291,3 +222,51 @@ def lower_stage(ctx) -> dict:
     sizes = {n: (ctx.out / f"{n}.pte").stat().st_size for n in COMPONENTS}
     return {"pte_bytes": sum(sizes.values()), **{f"{n}_pte_bytes": b for n, b in sizes.items()},
             "delegated_nodes": lowered["delegated_nodes"], "non_delegated_nodes": lowered["non_delegated_nodes"]}
+
+
+def artifacts(entry) -> dict:
+    """The run manifest's `pte` is the ExportedModel.from_pretrained folder; `programs` names the two files."""
+    return {"pte": str(entry), "programs": {n: str(entry / f"{n}.pte") for n in COMPONENTS}}
+
+
+# --- preflight: what this route can build and verify here ----------------------------------------------------
+
+WHY_NOT_BACKEND = {"portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)"}
+
+
+def problems(cfg) -> list[tuple[str, object, str]]:
+    e, c, vc = cfg.export, cfg.cache, cfg.verify
+    out = []
+    route = "with export.exporter=transformers"
+    backend = v(cfg.backend.name)
+    if backend not in CACHE:
+        out.append(("backend.name", backend, f"{route} allowed: {list(CACHE)} "
+                                             f"({WHY_NOT_BACKEND.get(backend, 'not supported')})"))
+    if v(c.mode) != "static":
+        out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
+                                             "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "
+                                             "custom/offgraph are the native route's)"))
+    if vc.native:
+        out.append(("verify.native", vc.native, f"{route} allowed: [false]: the C++ runner runs the native one-program "
+                                               "layout and cannot load prefill.pte + decode.pte with the KV cache as "
+                                               "program input/output; verify runs them in the Python runtime"))
+    if v(e.logits_mode) != "full":
+        out.append(("export.logits_mode", v(e.logits_mode), f"{route} allowed: ['full'] (the exporter drops "
+                                                            "logits_to_keep: prefill returns every row's logits)"))
+    if e.strict:
+        out.append(("export.strict", e.strict, f"{route} allowed: [false] (the exporter traces non-strict with its "
+                                              "own patches; strict dynamo tracing fails on them)"))
+    if v(e.dtype) != "fp32":
+        out.append(("export.dtype", v(e.dtype), f"{route} allowed: ['fp32'] (the only dtype built and verified here)"))
+    if e.prefill_chunk < 2:
+        out.append(("export.prefill_chunk", e.prefill_chunk, f"{route} must be >= 2: the token count is traced "
+                                                             "symbolic from a >= 2-token sample"))
+    return out
+
+
+def geometry_problems(cfg, g) -> list[tuple[str, object, str]]:
+    if not g.smallest_window:
+        return []
+    return [("export.exporter", "transformers", f"allowed for models without sliding-window layers only ({g.arch} "
+             f"has window {g.smallest_window}): pipeline/runtimes/pair.py runs one StaticCache mask per program, not "
+             "the per-layer-type masks and ring layers of a sliding-window cache")]

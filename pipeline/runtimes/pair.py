@@ -1,7 +1,8 @@
-"""The transformers exporter's two-program layout in the ExecuTorch Python runtime, behind the runner interface.
+"""The transformers exporter's two-program layout (prefill.pte + decode.pte, the KV cache as program input and
+output) in a runtime, behind the runner interface of pipeline/runtimes/base.py.
 
-`PrefillDecodeModule(folder)(tokens Long[1, T], positions Long[T]) -> logits [1, T, V]`, like runtime.PteModule,
-so verify's checks run on it unchanged:
+`PrefillDecodeModule(folder, runtime)(tokens Long[1, T], positions Long[T]) -> logits [1, T, V]`, like a
+RunnerProgram, so verify's checks run on it unchanged:
 - a call at position 0 starts a sequence: prefill.pte, which allocates the KV cache itself (its cache input is
   only each layer's write position);
 - every later call runs decode.pte (exported with a dynamic token count, so it takes continuation chunks of a
@@ -11,14 +12,14 @@ so verify's checks run on it unchanged:
   static cache does.
 Which flat program input/output is which comes from the pytree specs the exporter recorded in export.json.
 
-`DynamicCacheModule(folder)`: the same interface over the layout of the exporter's mlx backend (it refuses a
+`DynamicCacheModule(folder, runtime)`: the same interface over the layout of the exporter's mlx backend (it refuses a
 StaticCache), a `DynamicCache` that grows every call: prefill.pte takes no cache and returns each layer's K/V
 [1, Hkv, T, D]; decode.pte takes the K/V so far (a dynamic length, the positions before the call) and returns them
 with the new tokens appended (the causal mask is built in the graph from the cache length). A call at an earlier
 position crops the cache to it first (DynamicCache.crop), so a rerun overwrites, as the native static cache does.
-There is no MLX runtime on Linux: `runner="mlx"` (the default for this layout) executes each program's MLX delegate
-payload with pipeline/mlx_interpreter.py (MLXProgram); `runner="executorch"` is the ExecuTorch runtime (a Mac with
-MLXBackend registered). `open_pair(folder, runner)` picks the class from the cache type recorded in export.json.
+There is no MLX runtime on Linux: the `mlx` runtime executes each program's MLX delegate payload with our
+interpreter; `executorch` is the ExecuTorch runtime (a Mac with MLXBackend registered). `open_pair(folder, runtime)`
+picks the class from the cache type recorded in export.json.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.runtime import load_kernels
+from pipeline.abi import INT64
 
 # the inputs each program may take, beside the cache; anything else is a layout this runtime does not know
 KNOWN_INPUTS = {"prefill": {"input_ids", "position_ids", "past_key_values"},
@@ -38,41 +39,16 @@ class LayoutError(RuntimeError):
     pass
 
 
-RUNNERS = ("executorch", "mlx")  # the ExecuTorch Python runtime; pipeline/mlx_interpreter.py (MLX delegate payloads)
-
-
-class _TensorInfo:
-    """A program input's declared sizes and ScalarType code, read from the plan (the MLX interpreter's programs
-    have no ExecuTorch method to ask), with the accessors of ExecuTorch's TensorInfo."""
-
-    def __init__(self, sizes, dtype: int):
-        self._sizes, self._dtype = tuple(int(x) for x in sizes), int(dtype)
-
-    def sizes(self):
-        return self._sizes
-
-    def dtype(self):
-        return self._dtype
-
-
 class _Program:
     """One exported program: its `forward` method and where each named input/output sits in the flat lists."""
 
-    def __init__(self, folder: Path, name: str, entry: dict, runner: str = "executorch"):
+    def __init__(self, folder: Path, name: str, entry: dict, runtime):
         from transformers.exporters.metadata import load_treespec
 
         md = entry["metadata"]
         if md.get("in_constants"):
             raise LayoutError(f"{name}: traced constant inputs {md['in_constants']} are not supported")
-        if runner not in RUNNERS:
-            raise ValueError(f"runner {runner!r}: allowed {list(RUNNERS)}")
-        self.runner = runner
-        if runner == "mlx":  # raises UnsupportedInstruction for anything outside the MLX delegate
-            from pipeline.mlx_interpreter import Interpreter, MLXProgram
-            self.mlx, self.interp = MLXProgram(folder / entry["file"]), Interpreter()
-        else:
-            from executorch.runtime import Runtime
-            self.method = Runtime.get().load_program(folder / entry["file"]).load_method("forward")
+        self.program = runtime.load(folder / entry["file"])  # a runtime refuses what it cannot run, here
         in_spec, out_spec = load_treespec(md["in_spec"]), load_treespec(md["out_spec"])
         _, kwargs = in_spec.children()  # forward(*(), **kwargs)
         self.inputs, self.input_types, i = {}, {}, 0
@@ -92,13 +68,7 @@ class _Program:
             i += child.num_leaves
         if set(self.outputs) != {"logits", "past_key_values"}:
             raise LayoutError(f"{name}.pte returns {sorted(self.outputs)}; expected logits and past_key_values")
-        if runner == "mlx":
-            plan = self.mlx.plan
-            self.input_meta = [_TensorInfo(plan.values[j].val.sizes, plan.values[j].val.scalar_type)
-                               for j in plan.inputs]
-        else:
-            meta = self.method.metadata
-            self.input_meta = [meta.input_tensor_meta(j) for j in range(meta.num_inputs())]
+        self.input_meta = self.program.input_meta()  # [(sizes, ScalarType code)]
         if len(self.input_meta) != self.n_inputs:
             raise LayoutError(f"{name}.pte takes {len(self.input_meta)} inputs; export.json's spec has {self.n_inputs}")
 
@@ -111,10 +81,7 @@ class _Program:
         for key, s in self.inputs.items():
             value = named[key]
             feed[s] = value if isinstance(value, list) else [value]
-        if self.runner == "mlx":
-            out = self.mlx.execute(self.interp, feed)
-        else:
-            out = list(self.method.execute(feed))
+        out = self.program.execute(feed)
         tail = out[len(out) - self.n_outputs:]
         return {key: tail[s] for key, s in self.outputs.items()}
 
@@ -124,28 +91,25 @@ def _keys(spec) -> list[str]:
     return json.loads(ctx) if isinstance(ctx, str) else list(ctx)
 
 
-LONG = 4  # ExecuTorch ScalarType code of int64
-
-
 def _is_position(info) -> bool:
     # a layer's `cumulative_length`: the only 0-d int64 leaf of a StaticCache
-    return tuple(info.sizes()) == () and info.dtype() == LONG
+    sizes, dtype = info
+    return tuple(sizes) == () and dtype == INT64
 
 
 class PrefillDecodeModule:
     """Callable like the wrapped eager module: (tokens [1,T], positions [T]) -> logits; keeps the KV cache."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, runtime):
         folder = Path(folder)
-        load_kernels()
         manifest = json.loads((folder / "export.json").read_text())
         missing = [n for n in KNOWN_INPUTS if n not in manifest["components"]]
         if missing:
             raise LayoutError(f"{folder}/export.json has components {sorted(manifest['components'])}, "
                               f"missing {missing}")
         self.folder = folder
-        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"])
-        self.decode = _Program(folder, "decode", manifest["components"]["decode"])
+        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runtime)
+        self.decode = _Program(folder, "decode", manifest["components"]["decode"], runtime)
         cache_in = self.decode.input_meta[self.decode.inputs["past_key_values"]]
         self.positions = [j for j, info in enumerate(cache_in) if _is_position(info)]
         pre_cache = self.prefill.input_meta[self.prefill.inputs["past_key_values"]]
@@ -153,7 +117,7 @@ class PrefillDecodeModule:
             raise LayoutError("prefill.pte's cache input should be the per-layer write positions of an empty "
                               f"StaticCache ({len(self.positions)} layers); it is {pre_cache}")
         mask = self.decode.inputs.get("attention_mask")
-        self.context = self.decode.input_meta[mask.start].sizes()[-1] if mask else None
+        self.context = self.decode.input_meta[mask.start][0][-1] if mask else None
         self.cache: list[torch.Tensor] | None = None
 
     def constant(self, name: str):
@@ -183,20 +147,18 @@ class PrefillDecodeModule:
 
 class DynamicCacheModule:
     """The DynamicCache layout (the exporter's mlx backend): (tokens [1,T], positions [T]) -> logits, the cache
-    growing by T every call. Runs the programs with the MLX interpreter unless told `runner="executorch"`."""
+    growing by T every call."""
 
-    def __init__(self, folder: Path, runner: str = "mlx"):
+    def __init__(self, folder: Path, runtime):
         folder = Path(folder)
         manifest = json.loads((folder / "export.json").read_text())
         missing = [n for n in KNOWN_INPUTS if n not in manifest["components"]]
         if missing:
             raise LayoutError(f"{folder}/export.json has components {sorted(manifest['components'])}, "
                               f"missing {missing}")
-        if runner == "executorch":
-            load_kernels()
-        self.folder, self.runner = folder, runner
-        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runner)
-        self.decode = _Program(folder, "decode", manifest["components"]["decode"], runner)
+        self.folder = folder
+        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runtime)
+        self.decode = _Program(folder, "decode", manifest["components"]["decode"], runtime)
         for p in (self.prefill, self.decode):
             if p.cache_type() != "DynamicCache":
                 raise LayoutError(f"this runtime runs a DynamicCache; the programs take a {p.cache_type()}")
@@ -208,9 +170,9 @@ class DynamicCacheModule:
             raise LayoutError(f"prefill.pte's cache input should be an empty DynamicCache; it has "
                               f"{pre.stop - pre.start} tensors")
         cache_in = self.decode.input_meta[self.decode.inputs["past_key_values"]]
-        if not cache_in or len(cache_in) % 2 or any(len(info.sizes()) != 4 for info in cache_in):
+        if not cache_in or len(cache_in) % 2 or any(len(sizes) != 4 for sizes, _ in cache_in):
             raise LayoutError(f"decode.pte's cache input should be K/V pairs [1, Hkv, S, D] per layer; it is "
-                              f"{[info.sizes() for info in cache_in]}")
+                              f"{[sizes for sizes, _ in cache_in]}")
         self.n_layers = len(cache_in) // 2
         lowered = folder / "lower.json"
         consts = json.loads(lowered.read_text())["constant_methods"] if lowered.exists() else {}
@@ -248,16 +210,15 @@ class DynamicCacheModule:
         return logits
 
 
-def open_pair(folder: Path, runner: str = "executorch"):
-    """The runtime for the pair in `folder`, by the cache type its prefill was exported with."""
+def open_pair(folder: Path, runtime):
+    """The layout class for the pair in `folder`, by the cache type its prefill was exported with."""
     from transformers.exporters.metadata import load_treespec
     manifest = json.loads((Path(folder) / "export.json").read_text())
     spec = load_treespec(manifest["components"]["prefill"]["metadata"]["in_spec"])
     _, kwargs = spec.children()
     types = {k: getattr(c.type, "__name__", None) for k, c in zip(_keys(kwargs), kwargs.children())}
     cache = types.get("past_key_values")
-    if cache == "DynamicCache":
-        return DynamicCacheModule(folder, runner)
-    if runner != "executorch":
-        raise LayoutError(f"a {cache} pair runs in the ExecuTorch runtime only (runner={runner!r})")
-    return PrefillDecodeModule(folder)
+    layouts = {"DynamicCache": DynamicCacheModule, "StaticCache": PrefillDecodeModule}
+    if cache not in layouts:
+        raise LayoutError(f"{folder}: the programs take a {cache}; this runtime runs {sorted(layouts)}")
+    return layouts[cache](folder, runtime)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pipeline.errors import PipelineError
-from pipeline.geometry import Geometry, from_config_json, from_gguf, from_hf_config
+from pipeline.model.geometry import Geometry, from_config_json, from_gguf, from_hf_config
 
 
 class SourceError(PipelineError):
@@ -89,6 +89,6 @@ def geometry(m) -> Geometry:
         except (ValueError, EOFError, KeyError) as e:
             raise SourceError(f"model.path/package: cannot read GGUF metadata: {e}") from None
     if source == "hf":
-        from pipeline.hub import fetch_config
+        from pipeline.model.hub import fetch_config
         return from_config_json(fetch_config(m))
     raise SourceError(f"model.source={source!r}: allowed: hf, local, gguf, random")

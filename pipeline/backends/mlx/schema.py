@@ -5,7 +5,7 @@ modules generated from it (the source build makes them), so the import fails wit
 generated files not found". This module runs the delegate's own generator for the Python outputs only
 (its C++ templates are not in the wheel and are not needed here), with the flatc the wheel bundles.
 
-    python -m pipeline.backends.mlx_schema          # setup.sh runs this; idempotent
+    python -m pipeline.backends.mlx.schema          # setup.sh runs this; idempotent
 """
 from __future__ import annotations
 

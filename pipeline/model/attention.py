@@ -1,27 +1,15 @@
 """What the `custom` and `offgraph` cache modes share: the reference attention over a gathered history,
-and the wrapper base that switches an HF model's attention to one of our ops for the duration of a call.
+the registration of our ops, and the wrapper base that switches an HF model's attention to one of our ops
+for the duration of a call.
 
 The C++ twin of `attend_gathered` is native/src/kv_attention.cpp (one core for both modes).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
 
 import torch
 from torch import nn
-
-
-def ring_runs(start_pos: int, count: int, ring: Optional[int]) -> list[tuple[int, int]]:
-    """Logical positions [start_pos, start_pos+count) as (physical slot, count) runs; ring None = flat."""
-    if ring is None:
-        return [(start_pos, count)] if count else []
-    slot = start_pos % ring
-    first = min(count, ring - slot)
-    runs = [(slot, first)]
-    if count > first:
-        runs.append((0, count - first))
-    return runs
 
 
 def check_step(op: str, q, k, v, position) -> tuple[int, int]:
@@ -109,31 +97,32 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
 class HookedAttentionLM(nn.Module):
     """Runner layout (tokens Long[1,T], positions Long[T]) -> logits over an HF causal LM whose attention
-    implementation is switched to ATTN_IMPL (an HF attention-interface function) during each call."""
+    implementation is switched to `attn_fn` (an HF attention-interface function, registered as `attn_impl`)
+    during each call."""
 
-    ATTN_IMPL: str = ""
-
-    @staticmethod
-    def attention_fn(module, query, key, value, attention_mask, **kwargs):
-        raise NotImplementedError
-
-    def __init__(self, model: nn.Module, logits_mode: str):
+    def __init__(self, model: nn.Module, logits_mode: str, attn_impl: str, attn_fn):
         super().__init__()
         self.model = model
         self.logits_mode = logits_mode
+        self.use_attention(attn_impl, attn_fn)
         self._attn_configs = []
         for m in attention_layers(model):
             if all(c is not m.config for c in self._attn_configs):
                 self._attn_configs.append(m.config)
 
+    def use_attention(self, attn_impl: str, attn_fn) -> None:
+        """The attention function the wrapper installs (a backend may swap in the op its delegate lowers);
+        `attn_fn` is a module-level function, so a pickled wrapper keeps it by name."""
+        self.attn_impl, self.attn_fn = attn_impl, attn_fn
+
     @contextlib.contextmanager
     def _attn_impl(self):
         # registered here, not in __init__: a module unpickled from the stage cache skips __init__
         from transformers import AttentionInterface
-        AttentionInterface.register(self.ATTN_IMPL, type(self).attention_fn)
+        AttentionInterface.register(self.attn_impl, self.attn_fn)
         saved = [c._attn_implementation for c in self._attn_configs]
         for c in self._attn_configs:
-            c._attn_implementation = self.ATTN_IMPL
+            c._attn_implementation = self.attn_impl
         try:
             yield
         finally:

@@ -1,0 +1,80 @@
+"""The .pte contract between the builder and every runtime that runs a program (ours, the C++ runners).
+
+- The runner layout: `forward(tokens Long[1, T], positions Long[T]) -> logits [1, R, V]`, 1 <= T <= chunk;
+  R = 1 (logits mode `last`) or T (`full`).
+- The constant methods every program publishes (their names and codes are below) and the special token ids.
+- ExecuTorch ScalarType codes, one table for every module that reads or writes them.
+
+A leaf module: the stages, the exporters and the runtimes import it; it imports nothing of the pipeline.
+"""
+from __future__ import annotations
+
+import torch
+
+# ExecuTorch ScalarType codes (runtime/core/portable_type/scalar_type.h) of the dtypes programs use
+SCALAR_TYPES: dict[int, torch.dtype] = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 11: torch.bool, 15: torch.bfloat16, 28: torch.uint32,
+}
+SCALAR_TYPE_CODES: dict[torch.dtype, int] = {t: c for c, t in SCALAR_TYPES.items()}
+INT64 = SCALAR_TYPE_CODES[torch.int64]
+
+# the config's activation dtypes (export.dtype, verify.runtime.kv_storage_dtype)
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
+
+# get_logits_to_keep_mode
+LOGITS_MODE_CODES = {"full": 0, "last": 1, "selected": 2}
+
+# the constant methods of the runner layout; cache modes add their own (get_n_caches, get_ring_windows, ...)
+MAX_CONTEXT_LEN = "get_max_context_len"
+MAX_SEQ_LEN = "get_max_seq_len"          # the prefill chunk: the largest T of one forward
+VOCAB_SIZE = "get_vocab_size"
+ACTIVATION_DTYPE = "get_activation_dtype"
+LOGITS_MODE = "get_logits_to_keep_mode"
+BOS_ID = "get_bos_id"
+EOS_IDS = "get_eos_ids"
+RECIPE_HASH = "get_recipe_hash"
+
+
+def constant_methods(*, context: int, chunk: int, vocab: int, dtype: str, logits_mode: str, bos: int,
+                     eos: list[int], build_hash: str) -> dict:
+    """The constant methods every runner-layout program carries."""
+    return {
+        MAX_CONTEXT_LEN: int(context),
+        MAX_SEQ_LEN: int(chunk),
+        VOCAB_SIZE: int(vocab),
+        ACTIVATION_DTYPE: SCALAR_TYPE_CODES[DTYPES[dtype]],
+        LOGITS_MODE: LOGITS_MODE_CODES[logits_mode],
+        BOS_ID: int(bos),
+        EOS_IDS: [int(i) for i in eos],
+        RECIPE_HASH: build_hash,
+    }
+
+
+def special_ids(model_dir) -> tuple[int, list[int]]:
+    """BOS id (-1 if none) and the EOS id set, from the model's config, generation config and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    cfg = AutoConfig.from_pretrained(model_dir).get_text_config()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos: list[int] = []
+    sources = [cfg.eos_token_id, tok.eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    for e in sources:
+        for i in (e if isinstance(e, (list, tuple)) else [e]):
+            if i is not None and i not in eos:
+                eos.append(int(i))
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else tok.bos_token_id
+    return (int(bos) if bos is not None else -1), eos
+
+
+def ints(x) -> list[int]:
+    """A constant method's value (a scalar, a list or a tensor, as each runtime returns it) as ints."""
+    if isinstance(x, torch.Tensor):
+        return [int(i) for i in x.reshape(-1).tolist()]
+    if isinstance(x, (list, tuple)):
+        return [int(i) for i in x]
+    return [int(x)]

@@ -1,0 +1,67 @@
+"""backend=mlx: ExecuTorch's MLX delegate (Apple GPUs), built here on Linux and checked with our interpreter of
+its payload (pipeline/runtimes/mlx).
+
+The cache modes' wrappers keep their layout; only the attention op they call is switched to the one the MLX
+delegate lowers (attention.py). Lowering uses the delegate's default passes and the compile config of its LLM
+example (extract_delegate_segments, graph inputs planned).
+"""
+from __future__ import annotations
+
+from pipeline.config import v
+
+RUNTIME = "mlx"           # no MLX runtime on Linux: our interpreter of the delegate payload
+NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
+REFUSED = {
+    "8da4w": "the MLX partitioner does not take torchao's dynamic activation quantization: choose_qparams_affine "
+             "/ quantize_affine / dequantize_affine stay outside the delegate and have no out variants, so "
+             "lowering fails with 'Missing out variants'",
+}
+
+
+def setup() -> None:
+    from pipeline.backends.mlx import schema
+    schema.ensure()  # the wheel lacks the generated schema modules until this runs once
+    import executorch.backends.mlx  # noqa: F401  (registers mlx:: ops)
+    import executorch.backends.mlx.custom_ops  # noqa: F401
+    from executorch.extension.llm.cache import update_and_attend  # noqa: F401  (kvcache:: op)
+
+
+def prepare(module, cfg) -> dict:
+    """Switch a wrapped module's attention to the ops the MLX delegate lowers, before torch.export."""
+    setup()
+    from pipeline.backends.mlx.attention import prepare_attention
+    return prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len)
+
+
+def partition():
+    setup()
+    from executorch.backends.mlx import MLXPartitioner
+    from executorch.backends.mlx.passes import get_default_passes
+    return [MLXPartitioner()], get_default_passes()
+
+
+def executorch_config(cfg):
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+    return ExecutorchBackendConfig(extract_delegate_segments=True,
+                                   memory_planning_pass=MemoryPlanningPass(alloc_graph_input=True))
+
+
+def handover(model, q) -> dict:
+    """Nothing to rewrite: the MLX partitioner lowers torchao's tensors as they are."""
+    from torch import nn
+    n = sum(hasattr(m.weight, "qdata") for m in model.modules() if isinstance(m, nn.Linear))
+    done = {"linear_forms": {"torchao tensors (MLX QuantizedMatmulNode)": n} if n else {}}
+    if v(q.embedding) != "none":
+        done["embedding_form"] = "torchao tensor (MLX DequantizeNode + TakeNode)"
+    return done
+
+
+def cross_check_runtime(mode) -> str | None:
+    """On a Mac (ExecuTorch with MLXBackend registered) verify also runs the real runtime. Not for a runtime-owned
+    cache: the MLX runner installs that one, the Python runtime cannot."""
+    from pipeline.model.cache_modes import CACHE_MODES
+    if CACHE_MODES[mode].RUNTIME_OWNED:
+        return None
+    from executorch.runtime import Runtime
+    return "executorch" if Runtime.get().backend_registry.is_available("MLXBackend") else None

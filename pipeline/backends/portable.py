@@ -1,0 +1,31 @@
+"""backend=portable: no delegate; every op runs on ExecuTorch's portable (and quantized) CPU kernels."""
+from __future__ import annotations
+
+RUNTIME = "executorch"
+NATIVE_RUNNER = True
+REFUSED = {"nvfp4": "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"}
+
+
+def setup() -> None:
+    pass
+
+
+def prepare(module, cfg) -> dict:
+    return {}
+
+
+def partition():
+    return [], []
+
+
+def executorch_config(cfg):
+    from executorch.exir import ExecutorchBackendConfig
+    return ExecutorchBackendConfig(run_reinplace_pass=True, do_quant_fusion_and_const_prop=cfg.backend.quant_fusion)
+
+
+def handover(model, q) -> dict:
+    raise NotImplementedError("the transformers exporter has no portable backend")
+
+
+def cross_check_runtime(mode) -> None:
+    return None

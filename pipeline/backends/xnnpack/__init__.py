@@ -1,0 +1,51 @@
+"""backend=xnnpack: ExecuTorch's XNNPACK delegate, with the partitioner configs of weight_only.py (the stock
+ones silently drop the scales of weight-only quantized linears)."""
+from __future__ import annotations
+
+import logging
+
+from pipeline.config import v
+
+RUNTIME = "executorch"
+NATIVE_RUNNER = True
+REFUSED = {"nvfp4": "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"}
+WEIGHT_ONLY_BITS = {"4w": 4, "8w": 8}
+
+log = logging.getLogger(__name__)
+
+
+def setup() -> None:
+    pass
+
+
+def prepare(module, cfg) -> dict:
+    """Weight-only linears in the forms XNNPACK (or the portable kernels) run correctly."""
+    bits = WEIGHT_ONLY_BITS.get(v(cfg.quantize.linear))
+    if bits is None:
+        return {}
+    from pipeline.backends.xnnpack.weight_only import prepare_weight_only_linears
+    info = prepare_weight_only_linears(module.model, bits)
+    if info["mixed_linear"]:
+        log.warning("%d group-wise weight-only linears run on the portable mixed_linear kernel "
+                    "(XNNPACK has none for fp32 x group-wise int weights): correct but slow; "
+                    "quantize.linear_group_size=0 puts them on XNNPACK", info["mixed_linear"])
+    return info
+
+
+def partition():
+    from pipeline.backends.xnnpack.weight_only import partitioner, split_weight_only_linear_bias
+    return [partitioner()], [split_weight_only_linear_bias]
+
+
+def executorch_config(cfg):
+    from executorch.exir import ExecutorchBackendConfig
+    return ExecutorchBackendConfig(run_reinplace_pass=True, do_quant_fusion_and_const_prop=cfg.backend.quant_fusion)
+
+
+def handover(model, q) -> dict:
+    from pipeline.backends.xnnpack.handover import handover
+    return handover(model, q)
+
+
+def cross_check_runtime(mode) -> None:
+    return None

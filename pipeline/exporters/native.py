@@ -1,0 +1,125 @@
+"""export.exporter=native: our own route. torch.export of the wrapped (quantized) module with the token dimension
+bounded by the prefill chunk, then the backend's partitioning and one runner-layout program, model.pte, with the
+constant methods a runner reads (pipeline/abi.py, plus the cache mode's own).
+
+    python -m pipeline recipe=tiny_llama_xnnpack
+    python -m pipeline recipe=tiny_llama_xnnpack backend=portable
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from pipeline import abi
+from pipeline.backends import BACKENDS
+from pipeline.config import v
+from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.report.progress import spinner
+from pipeline.runtimes.executorch import load_kernels
+
+EXPORT_PEAK_OVER_WEIGHTS = 6.0  # see pipeline/preflight.py: memory estimates
+PROGRAM = "model.pte"
+
+
+def problems(cfg) -> list:
+    return []
+
+
+def geometry_problems(cfg, g) -> list:
+    return []
+
+
+# --- export ---------------------------------------------------------------------------------------------------
+
+def export_program(module, chunk: int, strict: bool = True):
+    t = min(2, chunk)
+    example = (torch.zeros((1, t), dtype=torch.long), torch.arange(t, dtype=torch.long))
+    dynamic = None
+    if chunk > 1:
+        T = torch.export.Dim("T", min=1, max=chunk)
+        dynamic = ({1: T}, {0: T})
+    with torch.no_grad():
+        return torch.export.export(module, example, dynamic_shapes=dynamic, strict=strict)
+
+
+def export(ctx) -> dict:
+    """Writes program.pt2 (torch.export.save)."""
+    import torchao  # noqa: F401  (registers the quantized ops the program refers to)
+    module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+    info = BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)
+    with spinner("torch.export", ctx.progress):
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
+    torch.export.save(ep, ctx.out / "program.pt2")
+    return {"graph_nodes": len(ep.graph.nodes), **info}
+
+
+# --- lower ----------------------------------------------------------------------------------------------------
+
+def runner_constants(ctx) -> dict:
+    """The runner layout's constant methods for this build (pipeline/abi.py)."""
+    e = ctx.cfg.export
+    bos, eos = abi.special_ids(ctx.inputs["download"] / "model")
+    return abi.constant_methods(context=e.max_context_len, chunk=e.prefill_chunk, vocab=ctx.geometry.vocab_size,
+                                dtype=v(e.dtype), logits_mode=v(e.logits_mode), bos=bos, eos=eos,
+                                build_hash=ctx.build_hash)
+
+
+def constant_methods(ctx) -> dict:
+    """The runner layout's constant methods and the cache mode's (off-graph: the cache geometry the runtime
+    builds; custom: the in-graph rings, so a runner refuses rewinds below what they hold)."""
+    from transformers import AutoConfig
+    e = ctx.cfg.export
+    text = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
+    return {**runner_constants(ctx),
+            **CACHE_MODES[ctx.cfg.cache.mode].constant_methods(text, e.max_context_len, e.prefill_chunk)}
+
+
+def delegation_report(edge) -> dict:
+    from executorch.devtools.backend_debug import get_delegation_info
+    info = get_delegation_info(edge.exported_program().graph_module)
+    return {
+        "delegated_subgraphs": info.num_delegated_subgraphs,
+        "delegated_nodes": info.num_delegated_nodes,
+        "non_delegated_nodes": info.num_non_delegated_nodes,
+        "by_op": {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
+                  for op, b in sorted(info.delegation_by_operator.items())},
+    }
+
+
+def lower_program(ep, cfg, methods: dict):
+    """Edge dialect, the backend's partitioning, to_executorch; returns (program manager, delegation report)."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
+    backend = BACKENDS[cfg.backend.name]
+    partitioners, passes = backend.partition()
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
+        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
+    report = delegation_report(edge)
+    return edge.to_executorch(backend.executorch_config(cfg)), report
+
+
+def lower(ctx) -> dict:
+    """Writes model.pte and lower.json (the program record, the constant methods, delegation by op)."""
+    import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
+    cfg = ctx.cfg
+    ep = torch.export.load(ctx.inputs["export"] / "program.pt2")
+    methods = constant_methods(ctx)
+    with spinner(f"lower to {v(cfg.backend.name)}", ctx.progress):
+        et, report = lower_program(ep, cfg, methods)
+    pte = ctx.out / PROGRAM
+    with open(pte, "wb") as f:
+        et.write_to_file(f)
+    report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
+                         "kernels": list(CACHE_MODES[cfg.cache.mode].KERNELS)}
+    report["constant_methods"] = methods
+    (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
+    return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
+            "non_delegated_nodes": report["non_delegated_nodes"],
+            "delegated_subgraphs": report["delegated_subgraphs"], "delegation_by_op": report["by_op"]}
+
+
+def artifacts(entry) -> dict:
+    """What the run manifest names for a lower entry of this route."""
+    return {"pte": str(entry / PROGRAM)}

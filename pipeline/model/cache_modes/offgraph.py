@@ -1,0 +1,135 @@
+"""The `offgraph` KV-cache mode: attention layers call one op, the cache lives in the runtime.
+
+    llmpipe::update_and_attend(q, k, v, position, cache_id, scale, out_dtype) -> out
+
+- q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv] (q and k already RoPE-rotated, Hq % Hkv == 0),
+  position [T] (or [T,1]) int, contiguous positions pos..pos+T-1; returns [B,Hq,T,Dv] in out_dtype.
+- To the tracer the op is functional (no mutated args; the fake impl returns an empty tensor of the
+  output shape), so the exported graph has no buffers and no mutations: one op per attention layer.
+  `llmpipe::update_and_attend.out` is the out variant that `to_executorch` emits.
+- Semantics: write this step's K/V at logical positions [pos, pos+T) of cache `cache_id` of the bound
+  cache (pipeline/model/offgraph_cache.py), then attend over the cached history (fp32, cast to
+  out_dtype) with the causal mask, banded on sliding layers. The C++ kernel is native/'s.
+- The program publishes the cache geometry (get_n_caches, get_kv_heads, get_head_dims, get_windows)
+  so a runtime can build the cache it needs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+                                      step_args)
+from pipeline.model.kv_layout import cache_layout
+from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
+                                           bound_cache, run_step)
+
+FLAGS = {"custom_sdpa": False, "custom_kv_cache": False}
+FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
+RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
+RINGS = True              # sliding layers hold window + chunk - 1 slots
+KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
+
+NAMESPACE = "llmpipe"
+OP_NAME = "update_and_attend"
+QUALNAME = f"{NAMESPACE}::{OP_NAME}"
+ATTN_IMPL = "llmpipe_offgraph"  # the HF attention-implementation name the wrapper switches to
+
+
+def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float, out_dtype) -> torch.Tensor:
+    """Reference semantics: write, then attend over the cached history (fp32)."""
+    pos, T = check_step(QUALNAME, q, k, v, position)
+    spec = cache.specs[cache_id] if 0 <= cache_id < len(cache.specs) else None
+    if spec is not None and (spec.kv_heads != k.shape[1] or spec.head_dim != k.shape[3]
+                             or spec.v_dim != v.shape[3]):
+        raise OffgraphCacheError(f"cache {cache_id} holds {spec} but the step has k {tuple(k.shape)}, "
+                                 f"v {tuple(v.shape)}")
+    plan = cache.plan(cache_id, pos, T)
+    cache.write(plan, k[0], v[0])
+    K, V = cache.gather(plan)                                    # [Hkv,S,D], [Hkv,S,Dv]
+    return attend_gathered(q, K, V, pos, plan.base, spec.window, scale, out_dtype)
+
+
+def _define() -> None:
+    def eager(q, k, v, position, cache_id, scale, out_dtype):
+        try:
+            cache = bound_cache()
+        except OffgraphCacheError as e:
+            raise OffgraphCacheError(f"{QUALNAME}: {e}") from None
+        return attend(cache, q, k, v, position, int(cache_id), float(scale), out_dtype)
+
+    def fake(q, k, v, position, cache_id, scale, out_dtype):
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=out_dtype)
+
+    globals()["_LIB"] = define_op(
+        NAMESPACE, OP_NAME, "Tensor q, Tensor k, Tensor v, Tensor position, int cache_id, float scale, "
+        "ScalarType out_dtype", "a", eager, fake)
+
+
+if not hasattr(torch.ops, NAMESPACE) or not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
+    _define()
+
+update_and_attend = torch.ops.llmpipe.update_and_attend
+
+
+def constant_methods(cfg, context: int, chunk: int) -> dict:
+    """The cache geometry the .pte publishes (beside the runner layout's constant methods)."""
+    lay = cache_layout(cfg)
+    methods = {
+        "get_n_caches": lay.n_caches,
+        "get_kv_heads": torch.tensor([s.kv_heads for s in lay.specs], dtype=torch.long),
+        "get_head_dims": torch.tensor([s.head_dim for s in lay.specs], dtype=torch.long),
+        "get_windows": torch.tensor([s.window for s in lay.specs], dtype=torch.long),
+    }
+    if any(s.v_dim != s.head_dim for s in lay.specs):
+        methods["get_v_head_dims"] = torch.tensor([s.v_dim for s in lay.specs], dtype=torch.long)
+    return methods
+
+
+def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                        sliding_window=None, **kwargs):
+    """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
+    positions, scaling = step_args("offgraph", query, scaling, kwargs)
+    cache_id = getattr(module, "_offgraph_cache_id", None)
+    if cache_id is None:
+        raise RuntimeError(f"offgraph attention: layer {getattr(module, 'layer_idx', '?')} has no cache id")
+    out = torch.ops.llmpipe.update_and_attend(query, key, value, positions.reshape(-1), cache_id,
+                                              scaling, query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _is_tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+class OffgraphLM(HookedAttentionLM):
+    """Runner layout over an HF causal LM whose attention calls llmpipe::update_and_attend.
+
+    forward(tokens Long[1,T], positions Long[T]) -> logits. Exported, the graph holds no cache. Run
+    eagerly, the wrapper owns an OffgraphCache (`self.cache`) and runs each call as a step against it.
+    """
+
+    def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last", *,
+                 prefill_chunk: Optional[int] = None, windows: Optional[Sequence[int]] = None,
+                 initial_capacity: int = DEFAULT_INITIAL_CAPACITY, kv_dtype: Optional[torch.dtype] = None):
+        super().__init__(model, logits_mode, ATTN_IMPL, _offgraph_attention)
+        self.layout = cache_layout(model.config.get_text_config(), windows)
+        for m in attention_layers(model):
+            m._offgraph_cache_id = self.layout.layer_cache[m.layer_idx]
+        dtype = kv_dtype or next(model.parameters()).dtype
+        self.cache = OffgraphCache(self.layout.specs, max_context_len, prefill_chunk or max_context_len,
+                                   initial_capacity, dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if _is_tracing():
+            return self._logits(tokens, positions)
+        return run_step(self.cache, positions, lambda: self._logits(tokens, positions))
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int) -> nn.Module:
+    return OffgraphLM(model, context, logits_mode, prefill_chunk=chunk)

@@ -1,0 +1,201 @@
+"""Preflight: every cross-field rule, checked before any download or build; all problems in one error.
+
+Hydra has already rejected unknown keys, unknown group choices and bad Enum values at composition. What a
+route, a backend or a cache mode cannot do is declared by its own module (pipeline/exporters, pipeline/backends,
+pipeline/model/cache_modes); this module asks them. Also the memory estimate (from the geometry, never the weights).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from pipeline.backends import BACKENDS
+from pipeline.config import v
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.exporters import EXPORTERS
+from pipeline.model import sources
+from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.geometry import Geometry
+from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
+
+Problems = list[tuple[str, object, str]]
+
+
+def check(cfg, geometry_fn=None) -> Optional[Geometry]:
+    """Raise ConfigError listing every problem; returns the model geometry when it could be read."""
+    problems = quantize_problems(cfg) + cache_problems(cfg) + export_problems(cfg) + verify_problems(cfg)
+    problems += EXPORTERS[cfg.export.exporter].problems(cfg)
+    if not is_inside_outputs(cfg.run.output_dir):
+        problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
+    # rules that need the model's geometry (read from config/GGUF header, never the weights)
+    geometry = None
+    try:
+        geometry = (geometry_fn or sources.geometry)(cfg.model)
+    except PipelineError as err:
+        problems.append((_source_key(cfg.model), _source_value(cfg.model), str(err).split(": ", 1)[-1]))
+    if geometry is not None:
+        problems += geometry_problems(cfg, geometry)
+        problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)
+    if problems:
+        raise ConfigError(problems)
+    return geometry
+
+
+def quantize_problems(cfg) -> Problems:
+    q, backend = cfg.quantize, v(cfg.backend.name)
+    refused = BACKENDS[backend].REFUSED
+    out = []
+    for key, scheme, group in (("quantize.linear", v(q.linear), q.linear_group_size),
+                               ("quantize.embedding", v(q.embedding), q.embedding_group_size)):
+        if scheme in refused:
+            out.append((key, scheme, f"backend={backend} refuses it: {refused[scheme]}"))
+        if scheme == "nvfp4" and group != 16:
+            out.append((f"{key}_group_size", group, "nvfp4 uses group size 16"))
+        if group < 0:
+            out.append((f"{key}_group_size", group, "must be >= 0 (0 = per channel)"))
+    return out
+
+
+def cache_problems(cfg) -> Problems:
+    """cache.custom_sdpa / cache.custom_kv_cache take the values the mode declares (its FLAGS)."""
+    c, mode = cfg.cache, v(cfg.cache.mode)
+    want = CACHE_MODES[mode].FLAGS
+    got = {flag: bool(c[flag]) for flag in want}
+    if got == want:
+        return []
+    return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
+             f"cache.mode={mode} takes custom_sdpa={want['custom_sdpa']}, custom_kv_cache={want['custom_kv_cache']} "
+             f"({CACHE_MODES[mode].FLAGS_WHY})")]
+
+
+def export_problems(cfg) -> Problems:
+    e = cfg.export
+    out = []
+    if e.max_context_len < 2:
+        out.append(("export.max_context_len", e.max_context_len, "must be >= 2"))
+    if e.prefill_chunk < 1:
+        out.append(("export.prefill_chunk", e.prefill_chunk, "must be >= 1"))
+    elif e.prefill_chunk > e.max_context_len:
+        out.append(("export.prefill_chunk", e.prefill_chunk, f"must be in [1, export.max_context_len={e.max_context_len}]"))
+    return out
+
+
+def verify_problems(cfg) -> Problems:
+    vc, e, mode, backend = cfg.verify, cfg.export, v(cfg.cache.mode), v(cfg.backend.name)
+    out = []
+    if vc.max_new_tokens < 1:
+        out.append(("verify.max_new_tokens", vc.max_new_tokens, "must be >= 1"))
+    if vc.enabled and not list(vc.prompts):
+        out.append(("verify.prompts", [], "needs at least one prompt when verify.enabled=true"))
+    if vc.enabled and vc.native and not BACKENDS[backend].NATIVE_RUNNER:
+        out.append(("verify.native", vc.native, f"the C++ runner here cannot run backend={backend} programs: set "
+                    f"verify.native=false (verify runs them in the {BACKENDS[backend].RUNTIME} runtime)"))
+    runtime_owned = CACHE_MODES[mode].RUNTIME_OWNED
+    if vc.batched and (not runtime_owned or not vc.native):
+        out.append(("verify.batched", vc.batched, f"the batched check runs llm_batched_runner on an off-graph program "
+                    f"against the single-session C++ runs: needs cache.mode=offgraph (is {mode!r}) and verify.native=true"))
+    rt = vc.runtime
+    changed = [k for k, default in (("kv_max_capacity", None), ("kv_initial_capacity", 512), ("kv_windows", None),
+                                    ("kv_storage_dtype", None)) if rt[k] != default]
+    if changed and not runtime_owned:
+        out.append(("verify.runtime." + changed[0], v(rt[changed[0]]), f"runtime cache parameters need cache.mode="
+                    f"offgraph (cache.mode={mode!r} keeps its cache in the program)"))
+    if rt.kv_max_capacity is not None and not 1 <= rt.kv_max_capacity <= e.max_context_len:
+        out.append(("verify.runtime.kv_max_capacity", rt.kv_max_capacity,
+                    f"must be in [1, export.max_context_len={e.max_context_len}] (null = the max context)"))
+    if rt.kv_initial_capacity < 1:
+        out.append(("verify.runtime.kv_initial_capacity", rt.kv_initial_capacity, "must be >= 1"))
+    if rt.kv_windows is not None and (not list(rt.kv_windows) or any(w < 0 for w in rt.kv_windows)):
+        out.append(("verify.runtime.kv_windows", list(rt.kv_windows),
+                    "a non-empty list of windows >= 0 (0 = flat), repeated over the caches"))
+    return out
+
+
+def geometry_problems(cfg, g: Geometry) -> Problems:
+    q, e = cfg.quantize, cfg.export
+    out = []
+    window = g.smallest_window
+    ceiling = min(e.max_context_len, window) if window else e.max_context_len
+    if window and e.prefill_chunk > window:
+        out.append(("export.prefill_chunk", e.prefill_chunk,
+                    f"must be in [1, {ceiling}] = min(export.max_context_len, smallest sliding window "
+                    f"{window}): a ring layer holds window + chunk - 1 slots"))
+    if v(q.linear) != "none" and q.linear_group_size > 0:
+        bad = {name: n for name, n in g.linear_in_features().items() if n % q.linear_group_size}
+        if bad:
+            out.append(("quantize.linear_group_size", q.linear_group_size,
+                        "must divide the in_features of every linear; it does not divide "
+                        + ", ".join(f"{k} ({n})" for k, n in bad.items())
+                        + f"; divisors that work: {_common_divisors(g.linear_in_features().values())}"))
+    if v(q.embedding) != "none" and q.embedding_group_size > 0 and g.hidden_size % q.embedding_group_size:
+        out.append(("quantize.embedding_group_size", q.embedding_group_size,
+                    f"must divide the embedding dim {g.hidden_size}; divisors that work: "
+                    f"{_common_divisors([g.hidden_size])}"))
+    if g.max_position_embeddings and e.max_context_len > g.max_position_embeddings:
+        out.append(("export.max_context_len", e.max_context_len,
+                    f"exceeds the model's max_position_embeddings {g.max_position_embeddings}"))
+    return out
+
+
+def _common_divisors(values) -> list[int]:
+    vals = list(values)
+    return [d for d in (16, 32, 64, 128, 256) if all(x % d == 0 for x in vals)]
+
+
+def _source_key(m) -> str:
+    return {"gguf": "model.path" if m.path else "model.package", "local": "model.path",
+            "hf": "model.repo_id", "random": "model.random"}.get(v(m.source), "model.source")
+
+
+def _source_value(m):
+    return {"gguf": m.path or m.package, "local": m.path, "hf": f"{m.repo_id}@{m.revision}",
+            "random": "..."}.get(v(m.source), v(m.source))
+
+
+# --------------------------------------------------------------------------------------------------
+# memory estimates: from the geometry, never the weights. The export + lower peak RSS over the fp32 weights is
+# each route's EXPORT_PEAK_OVER_WEIGHTS; the native route's was measured (one build per process): SmolLM2-135M
+# (540 MB fp32) peaks at 3.2 GiB lowering fp32 and 2.1 GiB lowering 8da4w; gemma-3-270m (1.07 GB) 2.7 GiB (8da4w)
+# --------------------------------------------------------------------------------------------------
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def parameter_count(g: Geometry) -> int:
+    attn = g.hidden_size * g.head_dim * (2 * g.num_heads + 2 * g.num_kv_heads)
+    mlp = 3 * g.hidden_size * g.intermediate_size
+    head = 0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size
+    return g.vocab_size * g.hidden_size + g.num_layers * (attn + mlp + 2 * g.hidden_size) + head
+
+
+def kv_cache_bytes(cfg, g: Geometry) -> int:
+    """K/V storage at the recipe's context: every layer holds the whole context, except the sliding layers of
+    modes with rings (window + chunk - 1 slots)."""
+    e = cfg.export
+    per_slot = 2 * g.num_kv_heads * g.head_dim * DTYPE_BYTES[v(e.dtype)]
+    rings = CACHE_MODES[cfg.cache.mode].RINGS
+    total = 0
+    for t in g.layer_types or ["full_attention"] * g.num_layers:
+        slots = e.max_context_len
+        if t == "sliding_attention" and g.sliding_window and rings:
+            slots = min(g.sliding_window + e.prefill_chunk - 1, e.max_context_len)
+        total += slots * per_slot
+    return total
+
+
+def memory_estimate(cfg, g: Geometry) -> dict:
+    weights = parameter_count(g) * 4  # export works on fp32 (or dequantized) weights
+    ratio = EXPORTERS[cfg.export.exporter].EXPORT_PEAK_OVER_WEIGHTS
+    return {"params": parameter_count(g), "export_peak_bytes": int(weights * ratio),
+            "kv_cache_bytes": kv_cache_bytes(cfg, g)}
+
+
+def memory_problems(cfg, g: Geometry, total_bytes: int) -> Problems:
+    est = memory_estimate(cfg, g)
+    out = []
+    if est["export_peak_bytes"] > total_bytes:
+        out.append(("model", cfg.model.name, f"export needs about {est['export_peak_bytes'] / 2**30:.1f} GiB, "
+                                              f"this machine has {total_bytes / 2**30:.1f} GiB"))
+    if est["kv_cache_bytes"] > total_bytes / 4:
+        out.append(("export.max_context_len", cfg.export.max_context_len,
+                    f"the KV cache alone needs {est['kv_cache_bytes'] / 2**30:.2f} GiB (a quarter of this "
+                    f"machine's {total_bytes / 2**30:.1f} GiB is the limit)"))
+    return out

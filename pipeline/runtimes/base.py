@@ -1,0 +1,99 @@
+"""What every runtime gives a built program: the runner layout's call, `(tokens Long[1, T], positions Long[T])
+-> logits`, the same interface as the eager wrapped module, so verify's checks run on either unchanged.
+
+A runtime module (pipeline/runtimes/<name>.py, the key of RUNTIMES) provides:
+    load(path, kernels=()) -> a loaded program: method_names, constant(name), execute(inputs, method="forward"),
+                              input_meta(method="forward") -> [(sizes, ScalarType code)], reset()
+    Cache                  -- the runtime-owned KV cache its off-graph programs reach (a step protocol:
+                              length, check_step, bound(), commit, rewind, reset, describe)
+    describe() -> str      -- what ran the program, for the verify report
+Program layouts over a loaded program: RunnerProgram here (one .pte), pair.py (the transformers exporter's two).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pipeline import abi
+from pipeline.model.kv_layout import LayerSpec
+from pipeline.model.offgraph_cache import DEFAULT_INITIAL_CAPACITY, run_step
+
+
+class Unsupported(RuntimeError):
+    """A program this runtime cannot run (it is refused whole, never half-run); `op` names what."""
+
+    def __init__(self, op: str, why: str = ""):
+        super().__init__(f"unsupported: {op}" + (f" ({why})" if why else ""))
+        self.op = op
+
+
+@dataclass
+class CachePolicy:
+    """How a runtime-owned cache is sized for a run (the C++ runners' --kv-* flags, verify.runtime)."""
+    capacity: Optional[int] = None                    # positions; None = the program's max context
+    initial_capacity: int = DEFAULT_INITIAL_CAPACITY  # flat pools start here and double up to the capacity
+    windows: Optional[Sequence[int]] = None           # pattern repeated over the caches, 0 = flat; None = the program's
+    kv_dtype: Optional[torch.dtype] = None            # None = the program's activation dtype
+
+
+def runtime_cache_plan(constant, names, windows: Optional[Sequence[int]] = None,
+                       kv_dtype: Optional[torch.dtype] = None) -> tuple[list[LayerSpec], int, int, torch.dtype]:
+    """The runtime cache an off-graph program asks for, read from its constant methods (`constant(name)`;
+    `names` = the program's methods): (layer specs, context, max write, storage dtype). `windows` overrides
+    the program's windows (a pattern repeated over the caches); the largest write is the chunk, bounded by
+    the smallest ring window."""
+    n = abi.ints(constant("get_n_caches"))[0]
+    heads = abi.ints(constant("get_kv_heads"))
+    dims = abi.ints(constant("get_head_dims"))
+    vdims = abi.ints(constant("get_v_head_dims")) if "get_v_head_dims" in names else dims
+    wins = abi.ints(constant("get_windows"))
+    if windows:
+        wins = [int(windows[i % len(windows)]) for i in range(n)]
+    chunk = abi.ints(constant(abi.MAX_SEQ_LEN))[0]
+    ctx = abi.ints(constant(abi.MAX_CONTEXT_LEN))[0]
+    dtype = kv_dtype or abi.SCALAR_TYPES[abi.ints(constant(abi.ACTIVATION_DTYPE))[0]]
+    specs = [LayerSpec(heads[i], dims[i], vdims[i], wins[i]) for i in range(n)]
+    return specs, ctx, min([chunk] + [w for w in wins if w > 0]), dtype
+
+
+class RunnerProgram:
+    """A runner-layout program (one .pte) in a runtime. An off-graph program (it publishes get_n_caches) gets
+    the runtime's own cache, built from its constant methods under `policy`; each call is a step against it."""
+
+    def __init__(self, runtime, path, policy: Optional[CachePolicy] = None, kernels: Sequence[str] = ()):
+        self.program = runtime.load(path, kernels=kernels)
+        self.cache = None
+        names = self.program.method_names
+        if "get_n_caches" in names:
+            policy = policy or CachePolicy()
+            specs, ctx, max_write, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
+                                                              policy.kv_dtype)
+            self.cache = runtime.Cache(specs, policy.capacity or ctx, max_write, policy.initial_capacity, dtype)
+
+    def constant(self, name: str):
+        return self.program.constant(name)
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def forward():
+            return self.program.execute([tokens, positions])[0]
+        return forward() if self.cache is None else run_step(self.cache, positions, forward)
+
+    def reset(self) -> None:
+        self.program.reset()
+        if self.cache is not None:
+            self.cache.reset()
+
+
+@torch.no_grad()
+def run_sequence(module, ids: list[int], chunk: int, start: int = 0) -> torch.Tensor:
+    """Feed ids through a runner-layout callable (eager or built) in chunks from `start`; returns the last
+    position's logits [V]."""
+    logits = None
+    for s in range(0, len(ids), chunk):
+        piece = ids[s:s + chunk]
+        tokens = torch.tensor([piece], dtype=torch.long)
+        positions = torch.arange(start + s, start + s + len(piece), dtype=torch.long)
+        logits = module(tokens, positions)
+    return logits[0, -1].float()

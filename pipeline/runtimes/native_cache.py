@@ -1,0 +1,103 @@
+"""The C++ off-graph cache and kernels (native/'s libllmpipe_kernels.so) in this process, through ctypes:
+the cache the ExecuTorch Python runtime's off-graph programs reach, the same one the C++ runners use."""
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from pipeline.abi import SCALAR_TYPE_CODES
+from pipeline.model.kv_layout import LayerSpec
+from pipeline.model.offgraph_cache import DEFAULT_INITIAL_CAPACITY, OffgraphCacheError
+
+_NATIVE_LIB = None
+
+
+def load_native_kernels(path=None):
+    """Loads libllmpipe_kernels.so with RTLD_GLOBAL (registers llmpipe::update_and_attend.out and
+    llmpipe::cached_attention.out in the Python runtime's libexecutorch) and returns the ctypes handle.
+    Idempotent."""
+    global _NATIVE_LIB
+    if _NATIVE_LIB is not None:
+        return _NATIVE_LIB
+    import ctypes
+    if path is None:
+        from pipeline.native import kernels_library_path
+        path = kernels_library_path()
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    p64 = ctypes.POINTER(ctypes.c_int64)
+    lib.llmpipe_cache_create.restype = vp
+    lib.llmpipe_cache_create.argtypes = [c_int, p64, p64, p64, p64, i64, i64, i64, c_int]
+    for name, res, args in [("llmpipe_cache_destroy", None, [vp]), ("llmpipe_cache_bind", None, [vp]),
+                            ("llmpipe_cache_check_step", c_int, [vp, i64, i64]),
+                            ("llmpipe_cache_commit", None, [vp, i64, i64]),
+                            ("llmpipe_cache_rewind", c_int, [vp, i64]),
+                            ("llmpipe_cache_reset", None, [vp]), ("llmpipe_cache_length", i64, [vp]),
+                            ("llmpipe_cache_allocated", i64, [vp, c_int]),
+                            ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
+                            ("llmpipe_last_error", ctypes.c_char_p, [])]:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    _NATIVE_LIB = lib
+    return lib
+
+
+class NativeOffgraphCache:
+    """The C++ OffgraphKvCache (native/src/kernels/offgraph_cache.h), driven from Python."""
+
+    def __init__(self, specs: Sequence[LayerSpec], capacity: int, max_write: int,
+                 initial_capacity: int = DEFAULT_INITIAL_CAPACITY, dtype: torch.dtype = torch.float32):
+        import ctypes
+        self._lib = lib = load_native_kernels()
+        n = len(specs)
+        arr = ctypes.c_int64 * max(n, 1)
+        h = lib.llmpipe_cache_create(n, arr(*[s.kv_heads for s in specs]), arr(*[s.head_dim for s in specs]),
+                                     arr(*[s.v_dim for s in specs]), arr(*[s.window for s in specs]),
+                                     int(capacity), int(max_write), int(initial_capacity), SCALAR_TYPE_CODES[dtype])
+        if not h:
+            raise ValueError(self._error())
+        self._h = h
+
+    def _error(self) -> str:
+        return self._lib.llmpipe_last_error().decode()
+
+    def __del__(self):
+        h = getattr(self, "_h", None)
+        if h:
+            self._lib.llmpipe_cache_destroy(h)
+            self._h = None
+
+    @property
+    def length(self) -> int:
+        return self._lib.llmpipe_cache_length(self._h)
+
+    def allocated(self, layer: int) -> int:
+        return self._lib.llmpipe_cache_allocated(self._h, layer)
+
+    def check_step(self, pos: int, T: int) -> None:
+        if self._lib.llmpipe_cache_check_step(self._h, pos, T) != 0:
+            raise OffgraphCacheError(self._error())
+
+    @contextlib.contextmanager
+    def bound(self):
+        """The kernel reaches this cache while the step runs (one binding per process, as in the runners)."""
+        self._lib.llmpipe_cache_bind(self._h)
+        try:
+            yield self
+        finally:
+            self._lib.llmpipe_cache_bind(None)
+
+    def commit(self, pos: int, T: int) -> None:
+        self._lib.llmpipe_cache_commit(self._h, pos, T)
+
+    def rewind(self, target: int) -> None:
+        if self._lib.llmpipe_cache_rewind(self._h, target) != 0:
+            raise OffgraphCacheError(self._error())
+
+    def reset(self) -> None:
+        self._lib.llmpipe_cache_reset(self._h)
+
+    def describe(self) -> str:
+        return self._lib.llmpipe_cache_describe(self._h).decode()
