@@ -62,10 +62,7 @@ def prompt_ids(tokenizer: str, pte: str, n: int) -> list[int]:
 
 def runner_once(m: dict, ids: list[int], new: int, threads: int) -> dict:
     from pipeline import native
-    cfg = m["config"]
-    extra = ["--ignore-eos", "--warmup", "--threads", str(threads)]
-    if cfg["cache"]["mode"] == "offgraph":
-        extra += ["--kv-max-capacity", str(cfg["export"]["max_context_len"])]
+    extra = ["--ignore-eos", "--warmup", "--threads", str(threads), *native.cache_args(m)]
     return native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new, extra_args=extra)
 
 
@@ -73,11 +70,11 @@ def python_runtime_once(pte: Path, ids: list[int], new: int, chunk: int) -> dict
     """Prefill in chunks then greedy decode through the ExecuTorch Python runtime (kernels loaded)."""
     import torch
 
-    from pipeline.offgraph import load_native_kernels
-    from pipeline.runtime import PteModule
-    load_native_kernels()
-    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
-    module = PteModule(pte)
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (the yardstick's llama:: ops)
+
+    from pipeline.runtimes import executorch
+    from pipeline.runtimes.base import RunnerProgram
+    module = RunnerProgram(executorch, pte, kernels=("llmpipe",))
     t0 = time.perf_counter()
     for s in range(0, len(ids), chunk):
         piece = ids[s:s + chunk]

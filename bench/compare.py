@@ -90,9 +90,7 @@ def work_eager(model_dir: str, ids: list[int], new: int, threads: int) -> dict:
 
 def run_ours(m: dict, ids: list[int], new: int, threads: int) -> dict:
     from pipeline import native
-    extra = ["--ignore-eos", "--warmup", "--threads", str(threads)]
-    if m["config"]["cache"]["mode"] == "offgraph":
-        extra += ["--kv-max-capacity", str(m["config"]["export"]["max_context_len"])]
+    extra = ["--ignore-eos", "--warmup", "--threads", str(threads), *native.cache_args(m)]
     s = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new, extra_args=extra)
     return {k: s[k] for k in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "peak_rss_mib", "generated_ids")}
 
@@ -121,7 +119,7 @@ def gguf_file(m: dict) -> Path:
     """The GGUF the model came from (assembled once into outputs/bench/ when shipped in chunks)."""
     from omegaconf import OmegaConf
 
-    from pipeline import sources
+    from pipeline.model import sources
     model = OmegaConf.create(m["config"]["model"])
     path, _, assemble = sources.gguf_location(model)
     if path is not None:

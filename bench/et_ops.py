@@ -15,7 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.attention import HookedAttentionLM, attention_layers  # noqa: E402
+from pipeline.model.attention import HookedAttentionLM, attention_layers  # noqa: E402
 
 ATTN_IMPL = "et_llama_custom_sdpa"
 
@@ -34,11 +34,8 @@ def _et_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
 
 
 class EtOpsLM(HookedAttentionLM):
-    ATTN_IMPL = ATTN_IMPL
-    attention_fn = staticmethod(_et_attention)
-
     def __init__(self, model: nn.Module, max_context_len: int):
-        super().__init__(model, "last")
+        super().__init__(model, "last", ATTN_IMPL, _et_attention)
         cfg = model.config.get_text_config()
         if getattr(cfg, "sliding_window", None) and cfg.model_type != "llama":
             raise NotImplementedError("the ExecuTorch-ops baseline has full attention only")
@@ -56,12 +53,11 @@ def build(model_dir: Path, out: Path, quantize: str, context: int, chunk: int) -
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers llama::)
     from omegaconf import OmegaConf
 
-    from pipeline import modeling
-    from pipeline.stages.export import export_program
-    from pipeline.stages.lower import lower
+    from pipeline.exporters.native import export_program, lower_program
+    from pipeline.model.loading import load_hf_model
     from pipeline.stages.quantize import quantize_module
 
-    module = EtOpsLM(modeling.load_hf_model(model_dir), context).eval()
+    module = EtOpsLM(load_hf_model(model_dir), context).eval()
     if quantize != "none":
         q = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "quantize" / f"{quantize}.yaml")
         q.pop("defaults", None)
@@ -69,7 +65,8 @@ def build(model_dir: Path, out: Path, quantize: str, context: int, chunk: int) -
         with torch.no_grad():
             quantize_module(module, q)
     ep = export_program(module, chunk)
-    et, _ = lower(ep, "xnnpack", {"get_max_seq_len": chunk, "get_max_context_len": context}, True)
+    cfg = OmegaConf.create({"backend": {"name": "xnnpack", "quant_fusion": True}})
+    et, _ = lower_program(ep, cfg, {"get_max_seq_len": chunk, "get_max_context_len": context})
     tmp = out.with_suffix(".tmp")
     tmp.write_bytes(et.buffer)
     tmp.replace(out)

@@ -175,6 +175,15 @@ def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *,
     return gens, engine
 
 
+def cache_args(manifest: dict) -> list[str]:
+    """The runner flags a built program needs from its run manifest: a runtime-owned cache sized to the context."""
+    from pipeline.model.cache_modes import CACHE_MODES
+    cfg = manifest["config"]
+    if not CACHE_MODES[cfg["cache"]["mode"]].RUNTIME_OWNED:
+        return []
+    return ["--kv-max-capacity", str(cfg["export"]["max_context_len"])]
+
+
 def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,
            pte: str | os.PathLike | None = None, timeout: float = 120.0) -> list[int]:
     """Prompt ids after the chat template, exactly as the runner would feed them."""

@@ -102,7 +102,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     manifest = {
         "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
-        "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "stages": [],
+        "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "pid": os.getpid(), "stages": [],
         "status": "running",
     }
     entries: dict[str, Path] = {}

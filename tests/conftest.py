@@ -1,64 +1,56 @@
-"""Shared fixtures: composing configs with Hydra's compose API and building through the shared cache.
+"""Markers, the tier rule, and the shared real-model builds of the CI tier (tests/helpers.py CI_BUILDS).
 
-Builds go through the real stage cache under outputs/, so a recipe (or the download of a real model)
-is built once per machine and reused by every test that needs it.
+Tiers: `python3 -m pytest` runs the CI tier (everything not marked slow); `python3 -m pytest -m slow` the slow
+tier; `-m "slow or not slow"` both.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 
-import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
-from pipeline.paths import CONF_DIR, ROOT
+from tests import helpers
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "real_model: builds or loads one of the two real models (slow)")
+    config.addinivalue_line("markers", "real_model: builds or loads one of the two real models")
+    config.addinivalue_line("markers", "slow: the slow tier (real-model builds CI does not make): pytest -m slow")
 
 
-def compose_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+def pytest_runtest_setup(item):
+    # before the test's fixtures run, so a build in a module or session fixture is judged by its test's tier
+    helpers.CURRENT.update(test=item.nodeid, slow=item.get_closest_marker("slow") is not None)
 
 
-def build(recipe: str, *overrides: str, stages=None):
-    from pipeline.session import ORDER, build as _build
-    cfg = compose_cfg(f"recipe={recipe}", "run.progress=false", *overrides)
-    return _build(cfg, recipe=recipe, stages=stages or ORDER)
-
-
-def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def run_manifest(r: subprocess.CompletedProcess) -> dict:
-    """The run manifest a `python -m pipeline` build names on its last line of output."""
-    lines = r.stdout.strip().splitlines()
-    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: "), r.stdout[-3000:]
-    return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
-
-
-def build_cli(recipe: str, *overrides: str, timeout: int = 3000) -> dict:
-    """A build in a process of its own, as a user runs it; returns its run manifest."""
-    r = run_cli(f"recipe={recipe}", "run.progress=false", *overrides, timeout=timeout)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    return run_manifest(r)
+def _ci_build(name: str) -> dict:
+    b = helpers.CI_BUILDS[name]
+    if b.get("stages"):
+        return helpers.build(b["recipe"], *b.get("overrides", ()), stages=b["stages"])
+    return helpers.build_cli(b["recipe"], *b.get("overrides", ()))
 
 
 @pytest.fixture(scope="session")
-def smollm2_model_dir():
-    m = build("smollm2_xnnpack", stages=("download",))
-    return m["model_dir"]
+def smollm2_model_dir() -> str:
+    return _ci_build("smollm2_model_dir")["model_dir"]
 
 
 @pytest.fixture(scope="session")
-def gemma3_model_dir():
-    m = build("gemma3_xnnpack", stages=("download",))
-    return m["model_dir"]
+def gemma3_model_dir() -> str:
+    return _ci_build("gemma3_model_dir")["model_dir"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_8da4w() -> dict:
+    """SmolLM2-135M 8da4w on XNNPACK, verified (the run manifest of a `python -m pipeline` build)."""
+    return _ci_build("smollm2_8da4w")
+
+
+@pytest.fixture(scope="session")
+def gemma3_offgraph() -> dict:
+    """gemma-3-270m with the off-graph cache at chunk 128: rings of 512 + 128 - 1 = 639 slots, so a 700-token
+    prompt wraps them (at the recipe's chunk 512 a ring of 1023 slots never wraps within the 1024 context)."""
+    return _ci_build("gemma3_offgraph")
+
+
+@pytest.fixture(scope="session")
+def gemma3_mlx_offgraph() -> dict:
+    """gemma-3-270m through the MLX delegate, off-graph cache, chunk 128 (rings of 639 slots)."""
+    return _ci_build("gemma3_mlx_offgraph")

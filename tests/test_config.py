@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import validate
+from pipeline import preflight
+from pipeline.errors import ConfigError
 from pipeline.config import v
 from pipeline.recipes import recipe_files
-from tests.conftest import compose_cfg
+from tests.helpers import compose_cfg
 
 RECIPES = sorted(recipe_files())
 
@@ -22,7 +23,7 @@ def test_recipes_found_recursively(tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_passes_preflight(recipe):
     cfg = compose_cfg(f"recipe={recipe}")
-    geometry = validate.check(cfg)
+    geometry = preflight.check(cfg)
     assert geometry is not None and geometry.num_layers > 0
 
 
@@ -41,7 +42,7 @@ def test_command_line_overrides_win_over_recipe():
 
 
 def test_gemma3_geometry_from_gguf_header():
-    g = validate.check(compose_cfg("recipe=gemma3_xnnpack"))
+    g = preflight.check(compose_cfg("recipe=gemma3_xnnpack"))
     assert (g.hidden_size, g.num_layers, g.head_dim, g.num_kv_heads, g.vocab_size) == (640, 18, 256, 1, 262144)
     assert g.sliding_window == 512
     assert g.layer_types.count("full_attention") == 3 and g.layer_types[5] == "full_attention"
@@ -50,8 +51,8 @@ def test_gemma3_geometry_from_gguf_header():
 def test_all_problems_reported_at_once():
     cfg = compose_cfg("recipe=gemma3_xnnpack", "export.prefill_chunk=600", "quantize=8da4w",
                       "quantize.linear_group_size=256", "quantize.embedding=nvfp4", "run.output_dir=/tmp/x")
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
     keys = [p[0] for p in e.value.problems]
     assert "export.prefill_chunk" in keys
     assert "quantize.linear_group_size" in keys
@@ -64,6 +65,6 @@ def test_all_problems_reported_at_once():
 
 def test_offgraph_excludes_custom_flags():
     cfg = compose_cfg("recipe=tiny_llama_xnnpack", "cache=offgraph", "cache.custom_sdpa=true")
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
     assert any(p[0] == "cache.custom_sdpa/custom_kv_cache" for p in e.value.problems)

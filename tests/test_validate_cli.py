@@ -4,9 +4,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pipeline import validate
-from pipeline.geometry import Geometry
-from tests.conftest import ROOT, compose_cfg
+from pipeline import preflight
+from pipeline.model.geometry import Geometry
+from tests.helpers import ROOT, compose_cfg
 
 
 def run(*args):
@@ -48,12 +48,12 @@ def test_missing_folder_is_a_usage_error(tmp_path):
 def test_memory_estimates():
     g = Geometry(arch="llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                  num_kv_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
-    assert abs(validate.parameter_count(g) - 134.5e6) < 0.5e6  # SmolLM2-135M
+    assert abs(preflight.parameter_count(g) - 134.5e6) < 0.5e6  # SmolLM2-135M
     cfg = compose_cfg("recipe=smollm2_xnnpack", "export.max_context_len=512")
     # 30 layers x 512 positions x K and V x 3 heads x 64 dims x fp32
-    assert validate.kv_cache_bytes(cfg, g) == 30 * 512 * 2 * 3 * 64 * 4
-    assert validate.memory_problems(cfg, g, total_bytes=1 << 30)  # 1 GiB cannot export it
-    assert not validate.memory_problems(cfg, g, total_bytes=24 << 30)
+    assert preflight.kv_cache_bytes(cfg, g) == 30 * 512 * 2 * 3 * 64 * 4
+    assert preflight.memory_problems(cfg, g, total_bytes=1 << 30)  # 1 GiB cannot export it
+    assert not preflight.memory_problems(cfg, g, total_bytes=24 << 30)
 
 
 def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
@@ -63,8 +63,8 @@ def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
     static = compose_cfg("recipe=gemma3_xnnpack", "export.max_context_len=4096")
     offgraph = compose_cfg("recipe=gemma3_offgraph", "export.max_context_len=4096", "export.prefill_chunk=128")
     slot = 2 * 256 * 4
-    assert validate.kv_cache_bytes(static, g) == 2 * 4096 * slot
-    assert validate.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
+    assert preflight.kv_cache_bytes(static, g) == 2 * 4096 * slot
+    assert preflight.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
 
 
 def test_smoke_builds_a_real_recipe_on_a_tiny_model_of_its_architecture(tmp_path):

@@ -60,17 +60,19 @@ def runtime_cache_plan(constant, names, windows: Optional[Sequence[int]] = None,
 
 class RunnerProgram:
     """A runner-layout program (one .pte) in a runtime. An off-graph program (it publishes get_n_caches) gets
-    the runtime's own cache, built from its constant methods under `policy`; each call is a step against it."""
+    the runtime's own cache, built from its constant methods under `policy`; each call is a step against it.
+    `chunk` is the most tokens one call takes (the prefill chunk, narrowed to the smallest ring window)."""
 
     def __init__(self, runtime, path, policy: Optional[CachePolicy] = None, kernels: Sequence[str] = ()):
         self.program = runtime.load(path, kernels=kernels)
         self.cache = None
         names = self.program.method_names
+        self.chunk = abi.ints(self.program.constant(abi.MAX_SEQ_LEN))[0] if abi.MAX_SEQ_LEN in names else None
         if "get_n_caches" in names:
             policy = policy or CachePolicy()
-            specs, ctx, max_write, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
-                                                              policy.kv_dtype)
-            self.cache = runtime.Cache(specs, policy.capacity or ctx, max_write, policy.initial_capacity, dtype)
+            specs, ctx, self.chunk, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
+                                                               policy.kv_dtype)
+            self.cache = runtime.Cache(specs, policy.capacity or ctx, self.chunk, policy.initial_capacity, dtype)
 
     def constant(self, name: str):
         return self.program.constant(name)

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from pipeline.config import v
-from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
@@ -34,7 +34,7 @@ def run(ctx) -> dict:
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
-    module = CACHE_MODES[mode].wrap(model, e.max_context_len, logits_mode, e.prefill_chunk).eval()
+    module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk)
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     tol = SELF_CHECK_TOL[dtype]

@@ -65,7 +65,10 @@ def og_programs(native_bins) -> Path:
     and package versions."""
     from importlib.metadata import version
     script = HERE / "offgraph_tiny_export.py"
-    blob = script.read_bytes() + (REPO / "pipeline" / "offgraph.py").read_bytes()
+    from pipeline.store import code
+    # the script and every pipeline module it reaches (the op, the wrapper, the attention they share, ...)
+    blob = script.read_bytes() + b"".join(code.module_path(m).read_bytes()
+                                           for m in code.closure("pipeline.model.cache_modes.offgraph"))
     blob += ",".join(f"{p}={version(p)}" for p in ("torch", "executorch", "transformers")).encode()
     key = "og-" + hashlib.sha256(blob).hexdigest()[:16]
     root = Path(os.environ.get("LLM_NATIVE_TEST_CACHE", Path.home() / ".cache" / "llm-pipeline" / "native-tests"))

@@ -60,7 +60,7 @@ LOGITS_MODE_CODES = {"full": 0, "last": 1}
 
 
 def wrapped(name: str):
-    from pipeline.offgraph import OffgraphLM
+    from pipeline.model.cache_modes.offgraph import OffgraphLM
     make, _, logits = MODELS[name]
     return OffgraphLM(make(), CTX, logits, prefill_chunk=CHUNK)
 
@@ -68,14 +68,14 @@ def wrapped(name: str):
 def export(name: str, out: Path) -> None:
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
-    from pipeline import offgraph
+    from pipeline.model.cache_modes import offgraph
     module = wrapped(name)
     _, backend, logits = MODELS[name]
     T = torch.export.Dim("T", min=1, max=CHUNK)
     with torch.no_grad():
         ep = torch.export.export(module, (torch.tensor([[1, 2]]), torch.arange(2)),
                                  dynamic_shapes=({1: T}, {0: T}), strict=True)
-    consts = dict(offgraph.constant_methods(module.model.config), get_max_context_len=CTX,
+    consts = dict(offgraph.constant_methods(module.model.config, CTX, CHUNK), get_max_context_len=CTX,
                   get_max_seq_len=CHUNK, get_vocab_size=VOCAB, get_activation_dtype=6,
                   get_logits_to_keep_mode=LOGITS_MODE_CODES[logits], get_bos_id=1, get_eos_ids=EOS,
                   get_recipe_hash=f"offgraph-{name}")

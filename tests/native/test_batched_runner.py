@@ -303,18 +303,11 @@ def test_help_lists_every_flag(batched_bins):
 
 
 # -- the reference's smoke test on the real model ------------------------------------------------------
-@pytest.fixture(scope="module")
-def gemma3_offgraph() -> dict:
-    """The program only: verify (which reruns whenever native/ changes) is not what this test checks."""
-    from tests.conftest import build
-    return build("gemma3_offgraph", stages=("download", "wrap", "quantize", "export", "lower"))
-
-
 @pytest.mark.real_model
 @pytest.mark.parametrize("kind", KINDS)
 def test_gemma3_prefix_cache_smoke(kind, gemma3_offgraph, batched_bins, native_bins):
-    """gemma-3-270m off-graph, prefix entries 0 and 2, two prompt rounds, greedy: the four outputs are
-    compared (and must agree, and equal a single-session llm_runner run); the cached run resumes round 1
+    """gemma-3-270m off-graph (the shared CI build), prefix entries 0 and 2, two prompt rounds, greedy: the four
+    outputs are compared (and must agree, and equal a single-session llm_runner run); the cached run resumes round 1
     after prompt - 1 tokens. (The reference greps "Paris"; this Q4_K_M-derived 270m model echoes the
     question instead, in llm_runner as here, so the check is token parity with the single-session run.)"""
     m, prompt = gemma3_offgraph, "What is the capital of France?"
@@ -346,7 +339,7 @@ def test_gemma3_prefix_cache_smoke(kind, gemma3_offgraph, batched_bins, native_b
 
 
 def test_verify_runs_the_batched_check_when_the_recipe_asks():
-    from tests.conftest import build
+    from tests.helpers import build
     m = build("tiny_gemma3_offgraph", "verify.batched=true")
     assert m["status"] == "ok"
     b = m["verify"]["batched"]

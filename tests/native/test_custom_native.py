@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import build
+from tests.helpers import build
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ import offgraph_tiny_export as ote
 TOL = 1e-4
 
 
-def pte_module(og_programs, name, **kw):
-    from pipeline.offgraph import OffgraphPteModule
-    return OffgraphPteModule(og_programs / f"{name}.pte", **kw)
+def pte_module(og_programs, name, **policy):
+    from pipeline.runtimes import RUNTIMES, CachePolicy
+    from pipeline.runtimes.base import RunnerProgram
+    return RunnerProgram(RUNTIMES["executorch"], og_programs / f"{name}.pte", CachePolicy(**policy), kernels=("llmpipe",))
 
 
 def python_greedy(module, prompt, n_new):
@@ -54,13 +55,6 @@ def ids_arg(ids):
     return ",".join(map(str, ids))
 
 
-def same_tokens(gen, ref):
-    """Runner output (a final stop token included) against a fixed-length reference."""
-    if gen and gen[-1] in ote.EOS:
-        return gen == ref[:len(gen)]
-    return gen == ref
-
-
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["og_llama", "og_gemma3"])
 def test_pte_matches_eager_wrapper(name, og_programs):
@@ -86,7 +80,7 @@ def test_pte_matches_eager_wrapper(name, og_programs):
 def test_pte_without_bound_cache_fails_cleanly(og_programs):
     from executorch.runtime import Runtime
 
-    from pipeline.offgraph import load_native_kernels
+    from pipeline.runtimes.native_cache import load_native_kernels
     lib = load_native_kernels()
     lib.llmpipe_cache_bind(None)
     method = Runtime.get().load_program(str(og_programs / "og_llama.pte")).load_method("forward")
@@ -96,7 +90,9 @@ def test_pte_without_bound_cache_fails_cleanly(og_programs):
 
 
 def test_native_cache_policy():
-    from pipeline.offgraph import LayerSpec, NativeOffgraphCache, OffgraphCacheError
+    from pipeline.model.kv_layout import LayerSpec
+    from pipeline.model.offgraph_cache import OffgraphCacheError
+    from pipeline.runtimes.native_cache import NativeOffgraphCache
     c = NativeOffgraphCache([LayerSpec(1, 4, 4, window=4), LayerSpec(1, 4, 4)], capacity=50, max_write=4,
                             initial_capacity=3)
     assert c.allocated(0) == 7 and c.allocated(1) == 3
@@ -127,10 +123,10 @@ def test_runner_greedy_matches_python_runtime(name, native_bins, og_programs):
     ref = python_greedy(pte_module(og_programs, name, capacity=ote.CTX), ote.PROMPT_IDS, ote.N_NEW)
     proc = run_runner(native_bins, "--pte", og_programs / f"{name}.pte", "--prompt-ids", ids_arg(ote.PROMPT_IDS),
                       "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", ote.CTX, "--kv-initial-capacity", 8,
-                      "--quiet")
+                      "--ignore-eos", "--quiet")
     assert proc.returncode == 0, proc.stderr
     s = stats(proc)
-    assert same_tokens(s["generated_ids"], ref), (s["generated_ids"], ref)
+    assert s["generated_ids"] == ref, (s["generated_ids"], ref)
     assert s["cache_kind"] == "off-graph" and s["cache_capacity"] == ote.CTX
     assert s["recipe_hash"] == f"offgraph-{name}"
     assert f"[cache] off-graph seq | capacity={ote.CTX} initial=8 kv_dtype=Float" in proc.stderr
@@ -145,12 +141,12 @@ def test_runner_windows_pattern_and_bf16_storage(native_bins, og_programs):
                                    kv_dtype=torch.bfloat16), ote.PROMPT_IDS, ote.N_NEW)
     proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids",
                       ids_arg(ote.PROMPT_IDS), "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", 64,
-                      "--kv-windows", "4,0", "--kv-storage-dtype", "bf16", "--quiet")
+                      "--kv-windows", "4,0", "--kv-storage-dtype", "bf16", "--ignore-eos", "--quiet")
     assert proc.returncode == 0, proc.stderr
     assert "[cache] prefill chunk 8 -> 4 (narrowest ring window)" in proc.stderr
     assert "[cache] off-graph seq | capacity=64 initial=64 kv_dtype=BFloat16" in proc.stderr
     assert "3 layers: 1 flat + 2 ring(window 4)\n" in proc.stderr
-    assert same_tokens(stats(proc)["generated_ids"], ref)
+    assert stats(proc)["generated_ids"] == ref
 
 
 def test_runner_capacity_bounds(native_bins, og_programs):
@@ -158,11 +154,10 @@ def test_runner_capacity_bounds(native_bins, og_programs):
     proc = run_runner(native_bins, "--pte", pte, "--prompt-ids", ids_arg(ote.PROMPT_IDS), "--kv-max-capacity", 20)
     assert proc.returncode == 1 and "holds 20" in proc.stderr
     proc = run_runner(native_bins, "--pte", pte, "--prompt-ids", ids_arg(ote.PROMPT_IDS), "--kv-max-capacity", 33,
-                      "--max-new-tokens", 40, "--quiet")
+                      "--max-new-tokens", 40, "--ignore-eos", "--quiet")
     assert proc.returncode == 0, proc.stderr
     s = stats(proc)
-    if s["stop_reason"] != "stop_token":
-        assert s["stop_reason"] == "context_full" and s["cache_length"] == 33
+    assert s["stop_reason"] == "context_full" and s["cache_length"] == 33
 
 
 def test_runner_offgraph_program_needs_capacity(native_bins, og_programs):
@@ -214,33 +209,35 @@ def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
-    from pipeline import offgraph as og
+    from pipeline.model.cache_modes import offgraph as og
+    from pipeline.model.kv_layout import LayerSpec
+    from pipeline.model.offgraph_cache import OffgraphCache
+    from pipeline.runtimes.native_cache import NativeOffgraphCache, load_native_kernels
     T = torch.export.Dim("T", min=1, max=4)
     ex = (torch.zeros(1, 6, 2, 8, dtype=dtype), torch.zeros(1, 2, 2, 8, dtype=dtype),
           torch.zeros(1, 2, 2, 4, dtype=dtype), torch.arange(2))
     ep = torch.export.export(_OneOp(dtype), ex, dynamic_shapes=({2: T}, {2: T}, {2: T}, {0: T}))
     (tmp_path / "op.pte").write_bytes(to_edge(ep).to_executorch().buffer)
-    og.load_native_kernels()
+    load_native_kernels()
     method = Runtime.get().load_program(str(tmp_path / "op.pte")).load_method("forward")
-    specs = [og.LayerSpec(2, 8, 4, 0), og.LayerSpec(2, 8, 4, 5)]  # cache_id 1 = the ring
-    native = og.NativeOffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
-    ref = og.OffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
+    specs = [LayerSpec(2, 8, 4, 0), LayerSpec(2, 8, 4, 5)]  # cache_id 1 = the ring
+    native = NativeOffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
+    ref = OffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     pos = 0
     for n in [4, 3, 1, 1, 4, 2, 1, 4, 1]:  # 21 positions: the 8-slot ring wraps twice
         q, k, v = (torch.randn(1, h, n, d, generator=g).to(dtype) for h, d in ((6, 8), (2, 8), (2, 4)))
         positions = torch.arange(pos, pos + n)
         native.check_step(pos, n)
-        native.bind()
-        got = method.execute([q, k, v, positions])[0]
+        with native.bound():
+            got = method.execute([q, k, v, positions])[0]
         native.commit(pos, n)
-        with og.bound(ref):
+        with ref.bound():
             want = og.update_and_attend(q, k, v, positions, 1, 0.3, dtype)
         ref.commit(pos, n)
         assert got.dtype == dtype and got.shape == (1, 6, n, 4)
         assert (got.float() - want.float()).abs().max().item() < tol, (dtype, pos)
         pos += n
-    native.unbind()
 
 
 @pytest.mark.parametrize("dtype,esize", [("fp32", 4), ("bf16", 2)])

@@ -14,3 +14,8 @@ from pipeline.model.cache_modes import custom, offgraph, static
 from pipeline.registry import Registry
 
 CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in (static, custom, offgraph)})
+
+
+def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None):
+    """The runner-layout module of `mode` over an HF causal LM, in eval mode (rings sized by the chunk)."""
+    return CACHE_MODES[mode].wrap(model, context, logits_mode, chunk or context).eval()

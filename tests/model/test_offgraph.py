@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import offgraph as og
-from pipeline.offgraph import LayerSpec, OffgraphCache, OffgraphCacheError
+from pipeline.model.cache_modes import CACHE_MODES, wrap
+from pipeline.model.cache_modes import offgraph as og
+from pipeline.model.kv_layout import LayerSpec, cache_layout
+from pipeline.model.offgraph_cache import OffgraphCache, OffgraphCacheError, bind, bound
 
 TOL = 1e-4
 
@@ -35,7 +37,7 @@ def run_steps(cache, q, k, v, steps, layer=0):
     """Feeds [1,H,S,D] tensors through the op in the given step sizes; returns the concatenated outputs."""
     outs, pos = [], 0
     scale = q.shape[-1] ** -0.5
-    with og.bound(cache):
+    with bound(cache):
         for T in steps:
             sl = slice(pos, pos + T)
             outs.append(og.update_and_attend(q[:, :, sl], k[:, :, sl], v[:, :, sl],
@@ -125,7 +127,7 @@ def test_op_overflow_raises():
 
 def test_op_without_bound_cache_raises():
     q, k, v = qkv(2)
-    og.bind(None)
+    bind(None)
     with pytest.raises(OffgraphCacheError, match="no off-graph KV cache is bound"):
         og.update_and_attend(q, k, v, torch.arange(2), 0, 0.25, torch.float32)
 
@@ -133,7 +135,7 @@ def test_op_without_bound_cache_raises():
 def test_op_out_dtype_and_half_storage():
     q, k, v = qkv(6, seed=4)
     cache = OffgraphCache([LayerSpec(2, 16, 16)], capacity=8, max_write=6, dtype=torch.float16)
-    with og.bound(cache):
+    with bound(cache):
         out = og.update_and_attend(q.half(), k.half(), v.half(), torch.arange(6), 0, 0.25, torch.float16)
     assert out.dtype == torch.float16
     assert cache.layers[0].k.dtype == torch.float16
@@ -144,7 +146,7 @@ def test_op_out_overload():
     q, k, v = qkv(3)
     cache = OffgraphCache([LayerSpec(2, 16, 16)], capacity=8, max_write=8)
     out = torch.empty(0)
-    with og.bound(cache):
+    with bound(cache):
         torch.ops.llmpipe.update_and_attend.out(q, k, v, torch.arange(3), 0, 0.25, torch.float32, out=out)
     assert out.shape == (1, 4, 3, 16)
     assert torch.allclose(out, sdpa_reference(q, k, v), atol=TOL)
@@ -316,12 +318,12 @@ def test_gemma3_layout_and_constant_methods():
     model = tiny_gemma3()
     w = og.OffgraphLM(model, 64, "last", prefill_chunk=8)
     assert [L.ring for L in w.cache.layers] == [23, 23, None]
-    consts = og.constant_methods(model.config)
+    consts = og.constant_methods(model.config, 64, 8)
     assert consts["get_n_caches"] == 3
     assert consts["get_kv_heads"].tolist() == [1, 1, 1]
     assert consts["get_head_dims"].tolist() == [16, 16, 16]
     assert consts["get_windows"].tolist() == [16, 16, 0]
-    assert og.cache_layout(model.config, windows=[0]).specs[0].window == 0
+    assert cache_layout(model.config, windows=[0]).specs[0].window == 0
 
 
 def test_wrapper_rerun_from_zero_and_last_logits():
@@ -335,9 +337,8 @@ def test_wrapper_rerun_from_zero_and_last_logits():
 
 
 def test_wrapper_is_registered():
-    from pipeline import modeling
-    assert modeling.WRAPPERS["offgraph"] is og.OffgraphLM
-    w = modeling.wrap(tiny_llama(), "offgraph", 32, "last")
+    assert CACHE_MODES["offgraph"] is og
+    w = wrap(tiny_llama(), "offgraph", 32, "last")
     assert isinstance(w, og.OffgraphLM)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.stages import StageContext, verify
-from tests.conftest import build, compose_cfg
+from tests.helpers import build, compose_cfg
 
 
 def test_a_wrong_program_fails_the_gate(tmp_path):

@@ -1,5 +1,6 @@
 """The transformers-exporter route builds and verifies a SmolLM2 xnnpack program (export.exporter=transformers:
-prefill.pte + decode.pte, KV cache as program I/O), at a small context, through the stage cache."""
+prefill.pte + decode.pte, KV cache as program I/O), at a small context, through the stage cache. Slow tier: two
+fp32 exports of about five minutes each; CI covers the route on a tiny model (tests/exporters)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, run_manifest
+from tests.helpers import run_cli, run_manifest
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 RECIPE = "smollm2_xnnpack_hf_exporter"
 
 

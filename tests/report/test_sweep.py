@@ -10,12 +10,13 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from pipeline import sweep_report
-from tests.conftest import ROOT
+from pipeline.report import sweep as sweep_report
+from tests.helpers import ROOT
 
 
 def sweep(*args: str, out: str | None = None, wait: bool = True):
@@ -83,9 +84,15 @@ def test_two_sweeps_at_once_share_one_cache_without_duplicates():
 def test_joblib_launcher_runs_jobs_in_parallel_workers():
     r = sweep("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "recipe=tiny_llama_xnnpack", "quantize=none,8w")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads((sweep_dir(r.stdout) / "report.json").read_text())
+    d = sweep_dir(r.stdout)
+    rows = json.loads((d / "report.json").read_text())
     assert [r_["status"] for r_ in rows] == ["ok", "ok"]
-    assert "Joblib" in r.stdout + r.stderr
+    jobs = [json.loads((d / f"job{i}" / "manifest.json").read_text()) for i in range(2)]
+    # two worker processes (the basic launcher runs every job in the sweep's own), at the same time: the second
+    # started before the first had finished (one after the other, it would start a whole build later)
+    assert len({m["pid"] for m in jobs}) == 2
+    starts = [datetime.strptime(m["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp() for m in jobs]
+    assert abs(starts[0] - starts[1]) < min(m["seconds"] for m in jobs), (starts, [m["seconds"] for m in jobs])
 
 
 def test_pareto_marking():

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from pipeline.paths import ROOT
-from pipeline.store import Store, read_manifest, sha256_file
-from tests.conftest import build
+from pipeline.store import Store
+from pipeline.store.files import read_manifest, sha256_file
+from tests.helpers import build
 
 TINY = "tiny_llama_xnnpack"
 
@@ -120,7 +121,7 @@ def test_ctrl_c_during_a_stage_then_rerun():
 def test_offgraph_stages_run_from_a_cached_wrap():
     """A later process gets the wrapped module from the cache (unpickled, no __init__): export and
     verify must still find the off-graph attention."""
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
     first = run_cli("recipe=tiny_llama_offgraph", "run.until=wrap", "run.progress=false")
     assert first.returncode == 0, first.stdout + first.stderr
     r = run_cli("recipe=tiny_llama_offgraph", "run.progress=false")

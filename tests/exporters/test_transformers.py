@@ -1,5 +1,5 @@
 """export.exporter=transformers: transformers.exporters' prefill.pte + decode.pte pair, built through our stages and
-verified in the Python runtime (pipeline/hf_exporter.py, pipeline/hf_runtime.py) on a tiny random Llama."""
+verified in the Python runtime (pipeline/exporters/transformers.py, pipeline/runtimes/pair.py) on a tiny random Llama."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import validate
+from pipeline import preflight
 from pipeline.config import v
-from pipeline.hf_runtime import DynamicCacheModule, PrefillDecodeModule, open_pair
-from pipeline.session import config_slice
+from pipeline.errors import ConfigError
+from pipeline.exporters import transformers as route
+from pipeline.runtimes import RUNTIMES
+from pipeline.runtimes.mlx.program import coverage
+from pipeline.runtimes.pair import DynamicCacheModule, PrefillDecodeModule, open_pair
+from pipeline.store.key import config_slice
 from pipeline.stages import ORDER, STAGES, StageContext, verify
-from tests.conftest import build, compose_cfg, run_cli
+from tests.helpers import build, compose_cfg, run_cli
 
 RECIPE = "tiny_llama_hf_exporter"
 
@@ -54,7 +58,7 @@ def test_two_program_layout_greedy_equals_eager(built):
     """Chunked prefill (prefill.pte, then decode.pte continuing with several tokens), then single decode steps."""
     entries = _entries(built)
     eager = torch.load(entries["wrap"] / "module.pt", weights_only=False)
-    pte = PrefillDecodeModule(entries["lower"])
+    pte = PrefillDecodeModule(entries["lower"], RUNTIMES["executorch"])
     ids = torch.randint(3, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     for chunk in (16, 5):  # 21 tokens: prefill 16 + a 5-token continuation; then 5 + 5 + 5 + 5 + 1
         ref, ref_logits = verify.greedy(eager, ids, 12, chunk, eos=set())
@@ -70,7 +74,7 @@ def test_two_program_layout_greedy_equals_eager(built):
 
 
 def test_decode_before_prefill_is_refused(built):
-    pte = PrefillDecodeModule(_entries(built)["lower"])
+    pte = PrefillDecodeModule(_entries(built)["lower"], RUNTIMES["executorch"])
     with pytest.raises(RuntimeError, match="position 0"):
         pte(torch.tensor([[5]]), torch.tensor([3]))
 
@@ -110,7 +114,7 @@ def test_quantized_handover_verifies(scheme):
 
 
 def test_sweep_row_sizes_the_pair(built, tmp_path):
-    from pipeline.sweep_report import job_row
+    from pipeline.report.sweep import job_row
     job = tmp_path / "job0"
     job.mkdir()
     (job / "manifest.json").write_text(Path(built["run_manifest"]).read_text())
@@ -141,8 +145,8 @@ def test_native_runner_check_is_refused_in_preflight():
 def test_unsupported_combinations_are_all_reported_at_once():
     cfg = compose_cfg(f"recipe={RECIPE}", "backend=portable", "cache=offgraph", "export.logits_mode=last",
                       "export.strict=true", "export.dtype=bf16", "export.prefill_chunk=1")
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
     got = {key: value for key, value, _ in e.value.problems}
     assert got["backend.name"] == "portable" and got["cache.mode"] == "offgraph"
     assert got["export.logits_mode"] == "last" and got["export.strict"] is True
@@ -153,21 +157,21 @@ def test_unsupported_combinations_are_all_reported_at_once():
 
 def test_portable_and_sliding_window_models_are_refused():
     cfg = compose_cfg(f"recipe={RECIPE}", "backend=portable")
-    with pytest.raises(validate.ConfigError, match="no portable backend"):
-        validate.check(cfg)
+    with pytest.raises(ConfigError, match="no portable backend"):
+        preflight.check(cfg)
     cfg = compose_cfg(f"recipe={RECIPE}", "model=tiny_gemma3", "export.prefill_chunk=8")
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
     assert [p[0] for p in e.value.problems] == ["export.exporter"] and "sliding-window" in str(e.value)
 
 
 def test_native_route_is_untouched_by_the_rules():
-    cfg = compose_cfg("recipe=tiny_llama_xnnpack")
+    cfg = compose_cfg("recipe=tiny_llama_xnnpack", "export.logits_mode=last", "export.strict=true")
     assert v(cfg.export.exporter) == "native"
-    assert validate.hf_exporter_problems(cfg) == []
+    assert preflight.check(cfg) is not None  # what this route refuses, the native route builds
 
 
-# --- backend=mlx: the exporter's DynamicCache layout, run by pipeline/mlx_interpreter.py -------------------------
+# --- backend=mlx: the exporter's DynamicCache layout, run by our MLX interpreter (pipeline/runtimes/mlx) -------------------------
 
 RECIPE_MLX = "tiny_llama_hf_exporter_mlx"
 
@@ -181,7 +185,7 @@ def built_mlx():
 
 def test_mlx_route_builds_fully_delegated_and_verifies_exactly(built_mlx):
     v_ = built_mlx["verify"]
-    assert v_["runner"].startswith("pipeline.mlx_interpreter") and v_["status"] == "ok"
+    assert v_["runtime"].startswith("pipeline.runtimes.mlx")
     same = v_["same_quant"]
     assert same["greedy_match"] == same["greedy_total"] > 0
     assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
@@ -200,7 +204,6 @@ def test_mlx_route_builds_fully_delegated_and_verifies_exactly(built_mlx):
 
 
 def test_mlx_programs_instructions_are_all_covered_by_the_interpreter(built_mlx):
-    from pipeline.mlx_interpreter import coverage
     lower = _entries(built_mlx)["lower"]
     for name in ("prefill.pte", "decode.pte"):
         cov = coverage(lower / name)
@@ -213,7 +216,7 @@ def test_mlx_dynamic_cache_layout_greedy_equals_eager(built_mlx):
     an earlier position crops the grown cache, so reruns give the same logits."""
     entries = _entries(built_mlx)
     eager = torch.load(entries["wrap"] / "module.pt", weights_only=False)
-    pte = open_pair(entries["lower"], runner="mlx")
+    pte = open_pair(entries["lower"], RUNTIMES["mlx"])
     assert isinstance(pte, DynamicCacheModule)
     ids = torch.randint(3, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     for chunk in (16, 5):
@@ -233,7 +236,7 @@ def test_mlx_dynamic_cache_layout_greedy_equals_eager(built_mlx):
     with pytest.raises(RuntimeError, match="skips past the cache"):
         pte(torch.tensor([[5]]), torch.tensor([7]))
     with pytest.raises(RuntimeError, match="position 0"):
-        open_pair(entries["lower"], runner="mlx")(torch.tensor([[5]]), torch.tensor([3]))
+        open_pair(entries["lower"], RUNTIMES["mlx"])(torch.tensor([[5]]), torch.tensor([3]))
 
 
 def test_mlx_pair_does_not_load_in_linux_executorch_runtime(built_mlx):
@@ -242,13 +245,12 @@ def test_mlx_pair_does_not_load_in_linux_executorch_runtime(built_mlx):
     if Runtime.get().backend_registry.is_available("MLXBackend"):
         pytest.skip("MLXBackend is registered (Apple Silicon): verify compares the real runtime too")
     with pytest.raises(RuntimeError, match="Failed to load method forward"):  # logged: MLXBackend is not registered
-        DynamicCacheModule(_entries(built_mlx)["lower"], runner="executorch")
+        DynamicCacheModule(_entries(built_mlx)["lower"], RUNTIMES["executorch"])
 
 
 @pytest.mark.parametrize("scheme", ["4w", "nvfp4"])
 def test_mlx_quantized_handover_verifies_exactly(scheme):
     """torchao's tensors go to the exporter unrewritten; the MLX partitioner makes QuantizedMatmulNode of them."""
-    from pipeline.mlx_interpreter import coverage
     m = build(RECIPE_MLX, f"quantize={scheme}", "verify=quantized")
     assert m["status"] == "ok", m.get("error")
     assert m["verify"]["same_quant"]["max_logit_err"] < 1e-4
@@ -261,8 +263,8 @@ def test_mlx_quantized_handover_verifies_exactly(scheme):
 @pytest.mark.parametrize("recipe", [RECIPE_MLX, "tiny_llama_mlx"])  # both routes to mlx
 def test_mlx_refuses_8da4w(recipe):
     cfg = compose_cfg(f"recipe={recipe}", "quantize=8da4w")
-    with pytest.raises(validate.ConfigError) as e:
-        validate.check(cfg)
+    with pytest.raises(ConfigError) as e:
+        preflight.check(cfg)
     assert [p[0] for p in e.value.problems] == ["quantize.linear"] and "Missing out variants" in str(e.value)
-    assert validate.hf_exporter_problems(compose_cfg(f"recipe={RECIPE_MLX}")) == []
-    assert validate.hf_exporter_problems(compose_cfg(f"recipe={RECIPE}", "quantize=8da4w")) == []  # xnnpack: fine
+    assert route.problems(compose_cfg(f"recipe={RECIPE_MLX}")) == []
+    assert preflight.check(compose_cfg(f"recipe={RECIPE}", "quantize=8da4w"))  # xnnpack: fine

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import subprocess
 import sys
 
-from tests.conftest import build
+from tests.helpers import build
 from pipeline.paths import OUTPUTS_ROOT, ROOT
 
 OUT = "outputs/test_gc"

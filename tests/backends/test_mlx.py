@@ -1,18 +1,21 @@
-"""backend=mlx: lowering through the MLX delegate here, and verify through pipeline.mlx_interpreter.
+"""backend=mlx: lowering through the MLX delegate here, and verify through our interpreter (pipeline/runtimes/mlx).
 
 Tiny random models of both architectures, every cache mode and quantization scheme the MLX recipes
-use; the real-model builds are in test_e2e_mlx.py.
+use; the real-model builds are in tests/e2e/test_mlx_real.py.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import build, run_cli
-from pipeline import modeling
 from pipeline.paths import ROOT
+from pipeline.runtimes import open_program
+from pipeline.runtimes.base import run_sequence
+from pipeline.runtimes.mlx import ops
+from pipeline.runtimes.mlx.payload import UnsupportedInstruction
+from pipeline.runtimes.mlx.program import MLXProgram, coverage
+from tests.helpers import build, run_cli, stage_path
 
 
 def _stage(m, name):
@@ -55,15 +58,13 @@ def test_builds_fully_delegated_and_verifies_exactly(built, name):
     assert by_op and all(c["non_delegated"] == 0 for op, c in by_op.items() if op != "getitem"), by_op
     assert lower["delegated_subgraphs"] == 1
     v = m["verify"]
-    assert v["runner"].startswith("pipeline.mlx_interpreter")
-    assert v["status"] == "ok"
+    assert v["runtime"].startswith("pipeline.runtimes.mlx")
     same = v["same_quant"]
     assert same["greedy_match"] == same["greedy_total"] > 0
     assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
 
 
 def test_quantized_programs_use_mlx_quantized_kernels(built):
-    from pipeline.mlx_interpreter import MLXProgram
     for name, bits in (("llama custom int4 (tiny_llama_mlx_int4)", 4), ("llama nvfp4", 4),
                        ("llama 8w per channel", 8)):
         ops = MLXProgram(built[name]["pte"]).ops()
@@ -76,12 +77,11 @@ def test_quantized_programs_use_mlx_quantized_kernels(built):
 def test_interpreter_covers_every_instruction_of_the_mlx_recipes(built):
     """Every MLX recipe (real ones included: the same architectures, modes and schemes as these tiny
     builds) emits only instructions the interpreter has a handler for."""
-    from pipeline.mlx_interpreter import Interpreter, MLXProgram
     seen: dict[str, set] = {}
     for name, m in built.items():
         for op in MLXProgram(m["pte"]).ops():
             seen.setdefault(op, set()).add(name)
-    uncovered = {op: sorted(where) for op, where in seen.items() if not Interpreter.covers(op)}
+    uncovered = {op: sorted(where) for op, where in seen.items() if not ops.Interpreter.covers(op)}
     assert not uncovered, f"instructions without an interpreter handler: {uncovered}"
     assert {"UpdateAndAttendNode", "SdpaNode", "QuantizedMatmulNode", "SliceUpdateNode", "RMSNormNode"} <= set(seen)
 
@@ -96,9 +96,8 @@ def test_every_mlx_recipe_has_a_tiny_twin_covered_here():
 
 
 def _eager_and_program(m):
-    eager = torch.load(Path(_stage(m, "quantize")["path"]) / "module.pt", weights_only=False)
-    from pipeline.mlx_interpreter import MLXPteModule
-    return eager, MLXPteModule(m["pte"])
+    eager = torch.load(stage_path(m, "quantize") / "module.pt", weights_only=False)
+    return eager, open_program(stage_path(m, "lower"))
 
 
 @pytest.mark.parametrize("name", ["gemma3 offgraph (tiny_gemma3_mlx_offgraph)", "gemma3 custom, rings"])
@@ -111,34 +110,32 @@ def test_past_the_window_the_rings_wrap_and_match_eager(built, name):
     errs = []
     for start in range(0, 40, 8):  # chunked prefill
         piece = ids[start:start + 8]
-        errs.append((modeling.run_sequence(eager, piece, 8, start=start)
-                     - modeling.run_sequence(prog, piece, 8, start=start)).abs().max().item())
+        errs.append((run_sequence(eager, piece, 8, start=start)
+                     - run_sequence(prog, piece, 8, start=start)).abs().max().item())
     for i in range(40, 56):  # decode
-        errs.append((modeling.run_sequence(eager, [ids[i]], 1, start=i)
-                     - modeling.run_sequence(prog, [ids[i]], 1, start=i)).abs().max().item())
+        errs.append((run_sequence(eager, [ids[i]], 1, start=i)
+                     - run_sequence(prog, [ids[i]], 1, start=i)).abs().max().item())
     assert max(errs) < 1e-4, errs
 
 
 def test_offgraph_program_rewinds_like_the_runners(built):
     eager, prog = _eager_and_program(built["gemma3 offgraph (tiny_gemma3_mlx_offgraph)"])
     ids = list(range(10, 30))
-    a = modeling.run_sequence(prog, ids, 8)
-    modeling.run_sequence(prog, [7, 8, 9], 1, start=len(ids))
-    b = modeling.run_sequence(prog, ids[12:], 8, start=12)  # rewind to 12 and redo the tail
+    a = run_sequence(prog, ids, 8)
+    run_sequence(prog, [7, 8, 9], 1, start=len(ids))
+    b = run_sequence(prog, ids[12:], 8, start=12)  # rewind to 12 and redo the tail
     assert torch.equal(a, b)
     assert prog.cache.length == len(ids)
 
 
 def test_an_instruction_without_a_handler_fails_the_gate(built, monkeypatch, tmp_path):
     """A program the interpreter cannot fully run is `unsupported: <op>`, a failed gate, never a pass."""
-    from pipeline import mlx_interpreter
-    from pipeline.mlx_interpreter import MLXPteModule, UnsupportedInstruction
     m = built["llama custom (tiny_llama_mlx)"]
-    monkeypatch.delattr(mlx_interpreter.Interpreter, "op_RMSNormNode")
-    prog = MLXPteModule(m["pte"])
+    monkeypatch.delattr(ops.Interpreter, "op_RMSNormNode")
+    prog = open_program(stage_path(m, "lower"))
     with pytest.raises(UnsupportedInstruction, match="unsupported: RMSNormNode"):
         prog(torch.tensor([[1, 2]]), torch.arange(2))
-    assert mlx_interpreter.coverage(m["pte"])["uncovered"] == ["RMSNormNode"]
+    assert coverage(m["pte"])["uncovered"] == ["RMSNormNode"]
 
     # through the verify stage (a verify key of its own, so it re-runs): the gate fails by default...
     from pipeline.errors import StageError
@@ -154,4 +151,4 @@ def test_an_instruction_without_a_handler_fails_the_gate(built, monkeypatch, tmp
 def test_mlx_with_the_cpp_runner_is_refused_before_any_work():
     r = run_cli("recipe=tiny_llama_mlx", "verify.native=true")
     assert r.returncode == 2
-    assert "verify.native" in r.stderr and "backend=mlx" in r.stderr
+    assert "verify.native" in r.stderr and "backend=mlx" in r.stderr and "Traceback" not in r.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 import shutil
 
 from pipeline.paths import ROOT
-from tests.conftest import build, run_cli
+from tests.helpers import build, run_cli
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -1,13 +1,13 @@
-"""End to end on gemma-3-270m with the off-graph cache and the custom in-graph cache: built and verified
-exactly (recipes gemma3_offgraph, gemma3_custom), then a prompt longer than the 512-token sliding window
-through the C++ runner (the rings wrap), against HF eager."""
+"""End to end on gemma-3-270m with the off-graph cache (CI: the shared chunk-128 build) and the custom in-graph
+cache (slow tier): built and verified exactly, then a prompt longer than the 512-token sliding window through the
+C++ runner (the rings wrap), against HF eager."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pipeline import native
-from tests.conftest import build_cli
+from tests.helpers import build_cli
 
 pytestmark = pytest.mark.real_model
 TEXT = ("The lighthouse keeper wrote in his log every evening: the weather, the ships that passed, the "
@@ -20,8 +20,8 @@ CHUNK = "export.prefill_chunk=128"
 
 
 @pytest.fixture(scope="module")
-def built() -> dict:
-    return build_cli("gemma3_offgraph", CHUNK)
+def built(gemma3_offgraph) -> dict:
+    return gemma3_offgraph
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def built_custom() -> dict:
 
 
 @pytest.fixture(scope="module")
-def hf_model(built):
+def hf_model(gemma3_model_dir):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(built["model_dir"], dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(gemma3_model_dir, dtype=torch.float32).eval()
 
 
 def long_prompt(built, n: int) -> list[int]:
@@ -78,6 +78,7 @@ def test_all_flat_windows_match_eager_within_the_window(built, hf_model):
     assert stats["generated_ids"] == hf_greedy(hf_model, ids, n)
 
 
+@pytest.mark.slow
 def test_custom_verified_exactly_and_past_the_window_in_cpp(built_custom, hf_model):
     s = built_custom["verify"]
     assert s["same_quant"]["greedy_match"] == s["same_quant"]["greedy_total"] > 0

@@ -5,10 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import modeling
+from pipeline.model.cache_modes import wrap
+from pipeline.model.loading import load_hf_model
+from pipeline.runtimes.base import run_sequence
 from pipeline.stages.quantize import quantize_module
 from pipeline.stages.wrap import self_check
-from tests.conftest import build, compose_cfg
+from tests.helpers import build, compose_cfg
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +20,8 @@ def tiny_dirs():
 
 @pytest.mark.parametrize("name,chunk", [("llama", 16), ("gemma3", 8), ("gemma3", 1)])
 def test_static_wrapper_matches_hf_forward_past_the_window(tiny_dirs, name, chunk):
-    model = modeling.load_hf_model(tiny_dirs[name])
-    module = modeling.wrap(model, "static", 64, "last")
+    model = load_hf_model(tiny_dirs[name])
+    module = wrap(model, "static", 64, "last")
     window = getattr(model.config, "sliding_window", None) if name == "gemma3" else None
     check = self_check(module, model, 64, chunk, window, model.config.vocab_size)
     if name == "gemma3":
@@ -28,14 +30,14 @@ def test_static_wrapper_matches_hf_forward_past_the_window(tiny_dirs, name, chun
 
 
 def test_full_logits_mode_returns_every_row(tiny_dirs):
-    module = modeling.wrap(modeling.load_hf_model(tiny_dirs["llama"]), "static", 64, "full")
+    module = wrap(load_hf_model(tiny_dirs["llama"]), "static", 64, "full")
     out = module(torch.tensor([[5, 6, 7]]), torch.arange(3))
     assert out.shape[:2] == (1, 3)
 
 
 def _quantized(tiny_dir, *overrides):
     cfg = compose_cfg("recipe=tiny_llama_xnnpack", *overrides)
-    module = modeling.wrap(modeling.load_hf_model(tiny_dir), "static", 64, "last")
+    module = wrap(load_hf_model(tiny_dir), "static", 64, "last")
     with torch.no_grad():
         report = quantize_module(module, cfg.quantize)
     return module, report
@@ -58,11 +60,11 @@ def test_no_retie_otherwise(tiny_dirs, overrides):
 
 @pytest.mark.parametrize("scheme", ["8da4w", "4w", "8w"])
 def test_quantized_eager_stays_close_to_float(tiny_dirs, scheme):
-    float_module = modeling.wrap(modeling.load_hf_model(tiny_dirs["llama"]), "static", 64, "last")
+    float_module = wrap(load_hf_model(tiny_dirs["llama"]), "static", 64, "last")
     ids = list(range(3, 40))
-    ref = modeling.run_sequence(float_module, ids, 16)
+    ref = run_sequence(float_module, ids, 16)
     module, report = _quantized(tiny_dirs["llama"], f"quantize={scheme}")
-    got = modeling.run_sequence(module, ids, 16)
+    got = run_sequence(module, ids, 16)
     assert report["linear_layers"] > 0 and report["embedding_layers"] == 1
     assert not any(type(p) is nn.Parameter and p.dtype == torch.float32 and p.dim() == 2 and p.shape[0] == 128
                    for p in module.model.model.layers[0].mlp.parameters()), "linears were not quantized"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 CASES = {
     "unknown recipe": (["recipe=no_such_recipe"], ["recipe/no_such_recipe", "smollm2_xnnpack"]),

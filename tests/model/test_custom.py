@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline import custom_cache as cc
-from pipeline import modeling
-from pipeline import offgraph as og
+from pipeline.model.cache_modes import CACHE_MODES, wrap
+from pipeline.model.cache_modes import custom as cc
+from pipeline.runtimes.native_cache import load_native_kernels
 
-from test_offgraph import feed, qkv, sdpa_reference, tiny_gemma3, tiny_llama
+from tests.model.test_offgraph import feed, qkv, sdpa_reference, tiny_gemma3, tiny_llama
 
 TOL = 1e-4
 
@@ -115,7 +115,7 @@ def test_three_cache_modes_agree():
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(7))
     outs = {}
     for mode in ("static", "custom", "offgraph"):
-        w = modeling.wrap(tiny_gemma3(), mode, 64, "full", prefill_chunk=8)
+        w = wrap(tiny_gemma3(), mode, 64, "full", 8)
         outs[mode] = torch.cat([feed(w, ids[:, :33], 8)] +
                                [feed_at(w, ids[:, i:i + 1], i) for i in range(33, 40)], 1)
     assert (outs["custom"] - outs["static"]).abs().max().item() < TOL
@@ -145,8 +145,8 @@ def test_export_mutates_one_cache_pair_per_layer():
 
 
 def test_wrapper_is_registered():
-    assert modeling.WRAPPERS["custom"] is cc.CustomCacheLM
-    assert isinstance(modeling.wrap(tiny_llama(), "custom", 32, "last", prefill_chunk=4), cc.CustomCacheLM)
+    assert CACHE_MODES["custom"] is cc
+    assert isinstance(wrap(tiny_llama(), "custom", 32, "last", 4), cc.CustomCacheLM)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_kernel_matches_python_op(dtype, tol, slots, window, tmp_path):
         ep = torch.export.export(_Layer(slots, window, dtype), ex, dynamic_shapes=({2: T}, {2: T}, {2: T}, {0: T}))
     prog = to_edge(ep).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
     (tmp_path / "op.pte").write_bytes(prog.buffer)
-    og.load_native_kernels()
+    load_native_kernels()
     method = Runtime.get().load_program(str(tmp_path / "op.pte")).load_method("forward")
     ref = _Layer(slots, window, dtype)
     g = torch.Generator().manual_seed(0)

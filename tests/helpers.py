@@ -1,0 +1,100 @@
+"""What the tests share: composing configs with Hydra's compose API, building through the shared stage cache
+(in this process or as a user runs it), and the rule that keeps the CI tier's real-model builds few.
+
+Builds go through the real stage cache under outputs/, so a recipe (or the download of a real model) is built
+once per machine and reused by every test that needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
+from pipeline.config import v
+from pipeline.paths import CONF_DIR, ROOT
+
+# The real-model builds the CI tier makes: each once per session, shared through the fixtures of the same name in
+# tests/conftest.py. A real-model build anywhere else belongs to the slow tier (`pytest -m slow`); a CI-tier test
+# that builds something else fails (see `guard`), so CI's time cannot grow back one build at a time.
+CI_BUILDS = {
+    "smollm2_model_dir": {"recipe": "smollm2_xnnpack", "stages": ("download",)},
+    "gemma3_model_dir": {"recipe": "gemma3_xnnpack", "stages": ("download",)},
+    "smollm2_8da4w": {"recipe": "smollm2_xnnpack_8da4w"},
+    "gemma3_offgraph": {"recipe": "gemma3_offgraph", "overrides": ("export.prefill_chunk=128",)},
+    "gemma3_mlx_offgraph": {"recipe": "gemma3_mlx_offgraph", "overrides": ("export.prefill_chunk=128",)},
+}
+
+# set by tests/conftest.py before each test's fixtures: is the running test in the slow tier?
+CURRENT = {"test": None, "slow": False}
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _allowed(recipe: str, overrides: tuple, stages) -> bool:
+    """A CI build, or the first stages of one (cache hits once it is built)."""
+    for b in CI_BUILDS.values():
+        if b["recipe"] == recipe and tuple(b.get("overrides", ())) == overrides:
+            if b.get("stages") is None or (stages is not None and set(stages) <= set(b["stages"])):
+                return True
+    return False
+
+
+def guard(recipe: str, overrides: tuple, stages: tuple | None = None) -> None:
+    """Fails a CI-tier test that built a real model other than a CI_BUILDS entry (called once stages ran)."""
+    if CURRENT["slow"]:
+        return
+    try:
+        if v(compose_cfg(f"recipe={recipe}", *overrides).model.source) == "random":
+            return
+    except Exception:  # a sweep's comma lists do not compose as one config: its recipes are tiny here
+        return
+    if not _allowed(recipe, tuple(o for o in overrides if o != "run.progress=false"), stages):
+        pytest.fail(f"{CURRENT['test']}: a real-model build ({recipe} {' '.join(overrides)}) in the CI tier: use one "
+                    f"of the shared builds (tests/helpers.py CI_BUILDS: {sorted(CI_BUILDS)}) or mark the test slow")
+
+
+def build(recipe: str, *overrides: str, stages=None) -> dict:
+    """A build in this process; returns its run manifest."""
+    from pipeline.session import ORDER, build as _build
+    cfg = compose_cfg(f"recipe={recipe}", "run.progress=false", *overrides)
+    try:
+        return _build(cfg, recipe=recipe, stages=stages or ORDER)
+    finally:
+        guard(recipe, overrides, stages)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m pipeline ARGS` in a process of its own, as a user runs it."""
+    r = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, **(env or {})})
+    recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), None)
+    if recipe is not None and "stage=" in r.stdout + r.stderr:  # stages ran: was it a build the CI tier may make?
+        guard(recipe, tuple(a for a in args if not a.startswith(("recipe=", "-"))))
+    return r
+
+
+def run_manifest(r: subprocess.CompletedProcess) -> dict:
+    """The run manifest a `python -m pipeline` build names on its last line of output."""
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2].startswith("pte: ") and lines[-1].startswith("manifest: "), r.stdout[-3000:]
+    return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
+
+
+def build_cli(recipe: str, *overrides: str, timeout: int = 3000) -> dict:
+    """A build in a process of its own, as a user runs it; returns its run manifest."""
+    r = run_cli(f"recipe={recipe}", "run.progress=false", *overrides, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return {**run_manifest(r), "stdout": r.stdout}
+
+
+def stage_path(manifest: dict, name: str) -> Path:
+    return Path(next(s for s in manifest["stages"] if s["name"] == name)["path"])

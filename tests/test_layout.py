@@ -1,0 +1,91 @@
+"""The house's rules, checked on the code itself: no import cycles, small modules, each variation axis in its
+registry (the file name is the key, a wrong name lists the choices), no axis if-chains outside the registries."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pipeline import paths
+from pipeline.backends import BACKENDS
+from pipeline.config import BackendName, CacheMode, Exporter
+from pipeline.exporters import EXPORTERS
+from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.registry import UnknownChoice
+from pipeline.runtimes import RUNTIMES
+from pipeline.store import code
+
+MAX_LINES = 500
+# where a backend's, route's, cache mode's or runtime's name may be compared: its own registry folder
+REGISTRY_DIRS = ("pipeline/backends/", "pipeline/exporters/", "pipeline/model/cache_modes/", "pipeline/runtimes/")
+AXIS_NAMES = "mlx|xnnpack|portable|transformers|native|static|custom|offgraph|executorch"
+COMPARISON = re.compile(rf"""[=!]=\s*["']({AXIS_NAMES})["']""")
+
+
+def test_no_import_cycles():
+    assert code.cycles() == []
+
+
+def test_the_graph_sees_lazy_imports():
+    # the key of a stage must change with code it only imports inside a function
+    assert "pipeline.native" in code.imports("pipeline.stages.verify")
+    assert "pipeline.runtimes.pair" in code.closure("pipeline.stages.verify")
+
+
+@pytest.mark.parametrize("path", sorted((paths.ROOT / "pipeline").rglob("*.py")), ids=lambda p: str(p.name))
+def test_no_module_over_the_limit(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(paths.ROOT)} has {n} lines (limit {MAX_LINES}): split it by concern"
+
+
+def test_no_axis_comparisons_outside_the_registries():
+    found = []
+    for path in sorted((paths.ROOT / "pipeline").rglob("*.py")):
+        rel = path.relative_to(paths.ROOT).as_posix()
+        if rel.startswith(REGISTRY_DIRS):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if COMPARISON.search(line):
+                found.append(f"{rel}:{i}: {line.strip()}")
+    assert not found, "ask the registry instead:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("registry,choices,folder", [
+    (BACKENDS, BackendName, "backends"), (EXPORTERS, Exporter, "exporters"),
+    (CACHE_MODES, CacheMode, "model/cache_modes"), (RUNTIMES, None, "runtimes")])
+def test_registry_keys_are_the_schema_choices_and_the_file_names(registry, choices, folder):
+    if choices is not None:
+        assert sorted(registry) == sorted(c.value for c in choices)
+    for name, module in registry.items():
+        assert module.__name__ == f"pipeline.{folder.replace('/', '.')}.{name}"
+
+
+def test_a_wrong_name_lists_the_choices():
+    with pytest.raises(UnknownChoice, match=r"backend.name='tpu': not supported. Supported: \['mlx', 'portable'"):
+        BACKENDS["tpu"]
+    with pytest.raises(UnknownChoice, match="cache.mode='paged'"):
+        CACHE_MODES["paged"]
+
+
+@pytest.mark.parametrize("name", sorted(CACHE_MODES))
+def test_cache_modes_declare_their_interface(name):
+    m = CACHE_MODES[name]
+    assert set(m.FLAGS) == {"custom_sdpa", "custom_kv_cache"} and m.FLAGS_WHY
+    assert isinstance(m.RUNTIME_OWNED, bool) and isinstance(m.RINGS, bool) and isinstance(m.KERNELS, tuple)
+    assert callable(m.wrap) and callable(m.constant_methods)
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_backends_declare_their_interface(name):
+    b = BACKENDS[name]
+    assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.REFUSED, dict)
+    for fn in ("setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime"):
+        assert callable(getattr(b, fn)), fn
+
+
+@pytest.mark.parametrize("name", sorted(EXPORTERS))
+def test_exporters_declare_their_interface(name):
+    e = EXPORTERS[name]
+    assert e.EXPORT_PEAK_OVER_WEIGHTS > 0
+    for fn in ("problems", "geometry_problems", "export", "lower", "artifacts"):
+        assert callable(getattr(e, fn)), fn
