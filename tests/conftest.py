@@ -10,11 +10,6 @@ import pytest
 from tests import helpers
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "real_model: builds or loads one of the two real models")
-    config.addinivalue_line("markers", "slow: the slow tier (real-model builds CI does not make): pytest -m slow")
-
-
 def pytest_runtest_setup(item):
     # before the test's fixtures run, so a build in a module or session fixture is judged by its test's tier
     helpers.CURRENT.update(test=item.nodeid, slow=item.get_closest_marker("slow") is not None)

@@ -17,10 +17,6 @@ for p in (str(HERE), str(REPO)):
         sys.path.insert(0, p)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "real_model: needs the real SmolLM2 / Gemma-3 model dirs")
-
-
 @pytest.fixture(scope="session")
 def native_bins():
     """(llm_runner, tokenizer_cli), built with native/build.sh if missing or stale."""
