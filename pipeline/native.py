@@ -175,8 +175,21 @@ def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *,
     return gens, engine
 
 
+def kv_args(policy, batched: bool = False) -> list[str]:
+    """The runners' flags for a runtime-owned cache policy (pipeline.runtimes.CachePolicy); llm_batched_runner
+    sizes each session instead, and keeps the program's windows."""
+    from pipeline.abi import DTYPE_NAMES
+    args = ["--max-session-tokens" if batched else "--kv-max-capacity", str(policy.capacity),
+            "--kv-initial-capacity", str(policy.initial_capacity)]
+    if policy.windows is not None and not batched:
+        args += ["--kv-windows", ",".join(str(w) for w in policy.windows)]
+    if policy.kv_dtype is not None:
+        args += ["--kv-storage-dtype", DTYPE_NAMES[policy.kv_dtype]]
+    return args
+
+
 def cache_args(manifest: dict) -> list[str]:
-    """The runner flags a built program needs from its run manifest: a runtime-owned cache sized to the context."""
+    """The runner flags a built program needs, from its run manifest: a runtime-owned cache sized to the context."""
     from pipeline.model.cache_modes import CACHE_MODES
     cfg = manifest["config"]
     if not CACHE_MODES[cfg["cache"]["mode"]].RUNTIME_OWNED:

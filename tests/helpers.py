@@ -16,7 +16,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
-from pipeline.config import v
 from pipeline.paths import CONF_DIR, ROOT
 
 # The real-model builds the CI tier makes: each once per session, shared through the fixtures of the same name in
@@ -29,6 +28,9 @@ CI_BUILDS = {
     "gemma3_offgraph": {"recipe": "gemma3_offgraph", "overrides": ("export.prefill_chunk=128",)},
     "gemma3_mlx_offgraph": {"recipe": "gemma3_mlx_offgraph", "overrides": ("export.prefill_chunk=128",)},
 }
+
+# a build of a model this size or larger is a real-model build (the tiny random models have well under 1M)
+REAL_PARAMETERS = 10_000_000
 
 # set by tests/conftest.py before each test's fixtures: is the running test in the slow tier?
 CURRENT = {"test": None, "slow": False}
@@ -52,10 +54,13 @@ def guard(recipe: str, overrides: tuple, stages: tuple | None = None) -> None:
     """Fails a CI-tier test that built a real model other than a CI_BUILDS entry (called once stages ran)."""
     if CURRENT["slow"]:
         return
+    from pipeline.model import sources
+    from pipeline.preflight import parameter_count
     try:
-        if v(compose_cfg(f"recipe={recipe}", *overrides).model.source) == "random":
-            return
-    except Exception:  # a sweep's comma lists do not compose as one config: its recipes are tiny here
+        geometry = sources.geometry(compose_cfg(f"recipe={recipe}", *overrides).model)
+    except Exception:  # a sweep's comma lists do not compose as one config; a source it cannot read built nothing
+        return
+    if parameter_count(geometry) < REAL_PARAMETERS:
         return
     if not _allowed(recipe, tuple(o for o in overrides if o != "run.progress=false"), stages):
         pytest.fail(f"{CURRENT['test']}: a real-model build ({recipe} {' '.join(overrides)}) in the CI tier: use one "

@@ -119,16 +119,7 @@ def cache_policy(ctx) -> CachePolicy:
 
 def native_args(ctx) -> list[str]:
     """The runner flags of verify.runtime (modes whose cache the runtime owns)."""
-    if not CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
-        return []
-    rt = ctx.cfg.verify.runtime
-    args = ["--kv-max-capacity", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
-            "--kv-initial-capacity", str(rt.kv_initial_capacity)]
-    if rt.kv_windows is not None:
-        args += ["--kv-windows", ",".join(str(w) for w in rt.kv_windows)]
-    if rt.kv_storage_dtype is not None:
-        args += ["--kv-storage-dtype", v(rt.kv_storage_dtype)]
-    return args
+    return native.kv_args(cache_policy(ctx)) if CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED else []
 
 
 def program_file(ctx):
@@ -146,13 +137,8 @@ def native_check(ctx, ids: list[int], n: int) -> dict:
 def batched_check(ctx, all_ids: list[list[int]], singles: list[list[int]]) -> dict:
     """The prompts as concurrent sessions of llm_batched_runner: each must generate what its single-session
     C++ run generated (greedy), while sharing forwards."""
-    rt = ctx.cfg.verify.runtime
-    args = ["--max-session-tokens", str(rt.kv_max_capacity or ctx.cfg.export.max_context_len),
-            "--kv-initial-capacity", str(rt.kv_initial_capacity)]
-    if rt.kv_storage_dtype is not None:
-        args += ["--kv-storage-dtype", v(rt.kv_storage_dtype)]
-    gens, engine = native.run_batched(program_file(ctx), all_ids,
-                                      max_new_tokens=max(len(s) for s in singles), extra_args=args)
+    gens, engine = native.run_batched(program_file(ctx), all_ids, max_new_tokens=max(len(s) for s in singles),
+                                      extra_args=native.kv_args(cache_policy(ctx), batched=True))
     equal = [g["generated_ids"][:len(s)] == s for g, s in zip(gens, singles)]
     return {"sessions": len(gens), "parity": all(equal), "equal": equal, "forwards": engine["forwards"],
             "rows_per_forward": engine["rows_per_forward"], "decode_tok_s": engine["decode_tok_s"]}

@@ -23,7 +23,7 @@ def _stage(m, name):
 
 
 def test_mlx_delegate_imports_after_schema_generation():
-    from pipeline.backends import mlx_schema
+    from pipeline.backends.mlx import schema as mlx_schema
     mlx_schema.ensure()
     assert mlx_schema.is_generated()
     from executorch.backends.mlx import MLXPartitioner  # noqa: F401

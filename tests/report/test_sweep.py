@@ -82,12 +82,17 @@ def test_two_sweeps_at_once_share_one_cache_without_duplicates():
 
 @pytest.mark.skipif(os.cpu_count() < 2, reason="parallel jobs need two cores")
 def test_joblib_launcher_runs_jobs_in_parallel_workers():
-    r = sweep("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "recipe=tiny_llama_xnnpack", "quantize=none,8w")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    d = sweep_dir(r.stdout)
-    rows = json.loads((d / "report.json").read_text())
-    assert [r_["status"] for r_ in rows] == ["ok", "ok"]
-    jobs = [json.loads((d / f"job{i}" / "manifest.json").read_text()) for i in range(2)]
+    out = f"outputs/tests/joblib-{uuid.uuid4().hex[:8]}"  # a fresh store: both jobs build (no cache hits)
+    try:
+        r = sweep("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "recipe=tiny_llama_xnnpack", "quantize=none,8w",
+                  out=out)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        d = sweep_dir(r.stdout)
+        rows = json.loads((d / "report.json").read_text())
+        assert [r_["status"] for r_ in rows] == ["ok", "ok"]
+        jobs = [json.loads((d / f"job{i}" / "manifest.json").read_text()) for i in range(2)]
+    finally:
+        shutil.rmtree(ROOT / out, ignore_errors=True)
     # two worker processes (the basic launcher runs every job in the sweep's own), at the same time: the second
     # started before the first had finished (one after the other, it would start a whole build later)
     assert len({m["pid"] for m in jobs}) == 2

@@ -43,8 +43,8 @@ def executorch_config(cfg):
 
 
 def handover(model, q) -> dict:
-    from pipeline.backends.xnnpack.handover import handover
-    return handover(model, q)
+    from pipeline.backends.xnnpack import transformers_route
+    return transformers_route.handover(model, q)
 
 
 def cross_check_runtime(mode) -> None:
