@@ -39,7 +39,7 @@
 #include <string>
 #include <vector>
 
-#include "kv_attention.h"
+#include "kernels/kv_attention.h"
 
 namespace llmrt::offgraph {
 

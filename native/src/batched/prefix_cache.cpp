@@ -1,4 +1,4 @@
-#include "prefix_cache.h"
+#include "batched/prefix_cache.h"
 
 #include <algorithm>
 

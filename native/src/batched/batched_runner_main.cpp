@@ -15,13 +15,13 @@
 #include <executorch/runtime/platform/runtime.h>
 #include <nlohmann/json.hpp>
 
-#include "batched_engine.h"
-#include "chat_template.h"
-#include "cli_common.h"
-#include "llm_program.h"
-#include "sysmem.h"
-#include "tokenizer.h"
-#include "utf8.h"
+#include "batched/batched_engine.h"
+#include "runner/cli_common.h"
+#include "runtime/chat_template.h"
+#include "runtime/llm_program.h"
+#include "runtime/sysmem.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace {
 

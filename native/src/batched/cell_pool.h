@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "session_cache.h"
+#include "batched/session_cache.h"
 
 namespace llmrt {
 

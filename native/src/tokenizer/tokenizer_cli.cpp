@@ -16,8 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "tokenizer.h"
-#include "utf8.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 using json = nlohmann::json;
 

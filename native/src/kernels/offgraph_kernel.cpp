@@ -15,7 +15,7 @@
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 namespace llmrt::offgraph {
 namespace {

@@ -1,4 +1,4 @@
-#include "session_cache.h"
+#include "batched/session_cache.h"
 
 namespace llmrt {
 

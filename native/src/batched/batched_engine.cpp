@@ -1,4 +1,4 @@
-#include "batched_engine.h"
+#include "batched/batched_engine.h"
 
 #include <algorithm>
 #include <chrono>

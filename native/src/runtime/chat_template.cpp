@@ -1,8 +1,8 @@
-#include "chat_template.h"
+#include "runtime/chat_template.h"
 
 #include <stdexcept>
 
-#include "tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace llmrt {
 

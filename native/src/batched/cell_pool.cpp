@@ -1,4 +1,4 @@
-#include "cell_pool.h"
+#include "batched/cell_pool.h"
 
 #include <algorithm>
 #include <map>

@@ -1,5 +1,5 @@
 // HF tokenizer.json reader: see tokenizer.h for what is supported.
-#include "tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -24,7 +24,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "utf8.h"
+#include "tokenizer/utf8.h"
 
 namespace llmrt {
 

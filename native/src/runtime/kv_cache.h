@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 namespace llmrt {
 

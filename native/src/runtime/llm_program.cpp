@@ -1,4 +1,4 @@
-#include "llm_program.h"
+#include "runtime/llm_program.h"
 
 #include <sys/stat.h>
 
@@ -10,7 +10,7 @@
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/core/evalue.h>
 
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 namespace llmrt {
 

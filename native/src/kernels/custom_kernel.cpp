@@ -11,7 +11,7 @@
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
-#include "kv_attention.h"
+#include "kernels/kv_attention.h"
 
 namespace llmrt::kv {
 namespace {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 using llmrt::offgraph::OffgraphKvCache;
 

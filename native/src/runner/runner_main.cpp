@@ -18,14 +18,14 @@
 #include <executorch/runtime/platform/runtime.h>
 #include <nlohmann/json.hpp>
 
-#include "chat_template.h"
-#include "cli_common.h"
-#include "kv_cache.h"
-#include "llm_program.h"
-#include "sampler.h"
-#include "sysmem.h"
-#include "tokenizer.h"
-#include "utf8.h"
+#include "runner/cli_common.h"
+#include "runtime/chat_template.h"
+#include "runtime/kv_cache.h"
+#include "runtime/llm_program.h"
+#include "runtime/sampler.h"
+#include "runtime/sysmem.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 namespace {
 

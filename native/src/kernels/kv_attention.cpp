@@ -1,4 +1,4 @@
-#include "kv_attention.h"
+#include "kernels/kv_attention.h"
 
 #include <algorithm>
 #include <cmath>

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 namespace llmrt {
 

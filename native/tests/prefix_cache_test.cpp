@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "cell_pool.h"
-#include "prefix_cache.h"
-#include "session_cache.h"
+#include "batched/cell_pool.h"
+#include "batched/prefix_cache.h"
+#include "batched/session_cache.h"
 
 namespace {
 

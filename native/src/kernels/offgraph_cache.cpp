@@ -1,4 +1,4 @@
-#include "offgraph_cache.h"
+#include "kernels/offgraph_cache.h"
 
 #include <algorithm>
 #include <cctype>

@@ -24,11 +24,11 @@
 #include <unordered_set>
 #include <vector>
 
-#include "cell_pool.h"
-#include "llm_program.h"
-#include "prefix_cache.h"
-#include "sampler.h"
-#include "session_cache.h"
+#include "batched/cell_pool.h"
+#include "batched/prefix_cache.h"
+#include "batched/session_cache.h"
+#include "runtime/llm_program.h"
+#include "runtime/sampler.h"
 
 namespace llmrt {
 
