@@ -12,7 +12,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include <executorch/runtime/platform/runtime.h>
 #include <nlohmann/json.hpp>
 
 #include "batched/batched_engine.h"
@@ -27,20 +26,16 @@ namespace {
 
 using json = nlohmann::json;
 using namespace llmrt;
-using cli::Clock;
-using cli::ms_since;
-using cli::parse_double;
-using cli::parse_int;
-using cli::UsageError;
+using namespace llmrt::cli;  // Clock, ms_since, parse_int, UsageError
 
-struct Options {
-  std::string pte, tokenizer, chat = "0", out_prefix, stats_json, kv_storage_dtype;
+// llm_batched_runner's own flags and prompts; cli::CommonOptions parses the shared flags.
+struct Options : cli::CommonOptions {
+  std::string out_prefix;
   std::vector<std::string> prompts;
-  bool ids = false, ignore_eos = false, quiet = false;
-  int64_t max_new_tokens = 50, max_session_tokens = 0, max_decode_sequences = 4, kv_initial_capacity = 512;
+  bool ids = false;
+  int64_t max_session_tokens = 0, max_decode_sequences = 4;
   std::string cache_kind = "batched-sequence";
-  double temperature = 0.0, top_p = 1.0;
-  int64_t top_k = 0, seed = 42, prefix_cache_entries = 0, prompt_rounds = 1, threads = 0;
+  int64_t prefix_cache_entries = 0, prompt_rounds = 1;
 };
 
 void print_help() {
@@ -101,54 +96,29 @@ Options parse_args(int argc, char** argv, bool* help) {
   Options o;
   *help = false;
   bool flags_done = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], v;
-    if (flags_done || a.rfind("--", 0) != 0) {
-      o.prompts.push_back(a);
+  cli::ArgReader args(argc, argv);
+  while (args.next()) {
+    if (flags_done || args.arg().rfind("--", 0) != 0) {
+      o.prompts.push_back(args.arg());
       continue;
     }
-    if (a == "--") {
+    if (args.arg() == "--") {
       flags_done = true;
       continue;
     }
-    bool has_inline = false;
-    if (size_t eq = a.find('='); eq != std::string::npos) {
-      v = a.substr(eq + 1);
-      a = a.substr(0, eq);
-      has_inline = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_inline) return v;
-      if (i + 1 >= argc) throw UsageError(a + " needs a value");
-      return argv[++i];
-    };
-    auto flag = [&]() {
-      if (has_inline) throw UsageError(a + " takes no value");
-    };
+    const std::string& a = args.name();
     if (a == "--help") {
       *help = true;
       return o;
-    } else if (a == "--pte") o.pte = value();
-    else if (a == "--tokenizer") o.tokenizer = value();
-    else if (a == "--chat") o.chat = value();
-    else if (a == "--max-new-tokens") o.max_new_tokens = parse_int(a, value());
-    else if (a == "--max-session-tokens") o.max_session_tokens = parse_int(a, value());
-    else if (a == "--max-decode-sequences") o.max_decode_sequences = parse_int(a, value());
-    else if (a == "--cache-kind") o.cache_kind = value();
-    else if (a == "--kv-initial-capacity") o.kv_initial_capacity = parse_int(a, value());
-    else if (a == "--kv-storage-dtype") o.kv_storage_dtype = value();
-    else if (a == "--temperature") o.temperature = parse_double(a, value());
-    else if (a == "--top-p") o.top_p = parse_double(a, value());
-    else if (a == "--top-k") o.top_k = parse_int(a, value());
-    else if (a == "--seed") o.seed = parse_int(a, value());
-    else if (a == "--prefix-cache-entries") o.prefix_cache_entries = parse_int(a, value());
-    else if (a == "--prompt-rounds") o.prompt_rounds = parse_int(a, value());
-    else if (a == "--out-prefix") o.out_prefix = value();
-    else if (a == "--stats-json") o.stats_json = value();
-    else if (a == "--threads") o.threads = parse_int(a, value());
-    else if (a == "--ids") { flag(); o.ids = true; }
-    else if (a == "--ignore-eos") { flag(); o.ignore_eos = true; }
-    else if (a == "--quiet") { flag(); o.quiet = true; }
+    }
+    if (o.parse(args)) continue;
+    if (a == "--max-session-tokens") o.max_session_tokens = parse_int(a, args.value());
+    else if (a == "--max-decode-sequences") o.max_decode_sequences = parse_int(a, args.value());
+    else if (a == "--cache-kind") o.cache_kind = args.value();
+    else if (a == "--prefix-cache-entries") o.prefix_cache_entries = parse_int(a, args.value());
+    else if (a == "--prompt-rounds") o.prompt_rounds = parse_int(a, args.value());
+    else if (a == "--out-prefix") o.out_prefix = args.value();
+    else if (a == "--ids") { args.no_value(); o.ids = true; }
     else throw UsageError("unknown argument '" + a + "' (see --help)");
   }
   if (o.pte.empty()) throw UsageError("--pte is required (see --help)");
@@ -156,20 +126,16 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (!o.ids && o.tokenizer.empty()) throw UsageError("--tokenizer is required unless --ids is given");
   if (o.cache_kind != "batched-sequence" && o.cache_kind != "batched-cell")
     throw UsageError("--cache-kind expects batched-sequence or batched-cell, got '" + o.cache_kind + "'");
-  if (!o.kv_storage_dtype.empty() && offgraph::parse_dtype(o.kv_storage_dtype) < 0)
-    throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + o.kv_storage_dtype + "'");
-  if (o.max_new_tokens < 0) throw UsageError("--max-new-tokens must be >= 0");
+  if (!o.kv_storage_dtype.empty()) o.check_kv_storage_dtype();  // empty: the program's dtype
+  o.check_max_new_tokens();
   if (o.max_session_tokens < 0)
     throw UsageError("--max-session-tokens must be >= 0 (0 = the program's max context)");
   if (o.max_decode_sequences < 1) throw UsageError("--max-decode-sequences must be >= 1");
-  if (o.kv_initial_capacity < 1)
-    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(o.kv_initial_capacity));
-  if (o.temperature < 0) throw UsageError("--temperature must be >= 0");
-  if (!(o.top_p > 0.0 && o.top_p <= 1.0)) throw UsageError("--top-p must be in (0, 1]");
-  if (o.top_k < 0) throw UsageError("--top-k must be >= 0");
+  o.check_kv_initial_capacity();
+  o.check_sampling();
   if (o.prefix_cache_entries < 0) throw UsageError("--prefix-cache-entries must be >= 0 (0 = off)");
   if (o.prompt_rounds < 1) throw UsageError("--prompt-rounds must be >= 1");
-  if (o.threads < 0) throw UsageError("--threads must be >= 0");
+  o.check_threads();
   try {
     chat_template(o.chat);
   } catch (const std::invalid_argument& e) {
@@ -304,10 +270,7 @@ int run(const Options& o) {
   std::vector<std::vector<int64_t>> prompts;
   for (const std::string& p : o.prompts) {
     std::vector<int64_t> ids = o.ids ? parse_ids(p) : encode_turn(*tok, tpl, p, true, info.bos_id);
-    for (int64_t id : ids)
-      if (id < 0 || id >= info.vocab_size)
-        throw UsageError("prompt id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                         std::to_string(info.vocab_size) + ")");
+    cli::check_prompt_ids(ids, info.vocab_size);
     prompts.push_back(std::move(ids));
   }
 
@@ -325,12 +288,11 @@ int run(const Options& o) {
   eo.max_decode_sequences = o.max_decode_sequences;
   eo.max_new_tokens = o.max_new_tokens;
   eo.kv_initial_capacity = o.kv_initial_capacity;
-  eo.kv_dtype = o.kv_storage_dtype.empty() ? static_cast<int>(info.activation_dtype)
-                                           : offgraph::parse_dtype(o.kv_storage_dtype);
+  eo.kv_dtype = o.kv_dtype(info.activation_dtype);
   eo.temperature = o.temperature;
   eo.top_p = o.top_p;
   eo.top_k = o.top_k;
-  eo.seed = static_cast<uint64_t>(o.seed);
+  eo.seed = o.seed;
   eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
   std::unordered_set<int64_t> stops;
   if (!o.ignore_eos) {
@@ -461,28 +423,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(cli::pal_log, __FILE__));
-  executorch::runtime::runtime_init();
-  bool help = false;
-  Options o;
-  try {
-    o = parse_args(argc, argv, &help);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  if (help) {
-    print_help();
-    return 0;
-  }
-  try {
-    return run(o);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  return cli::run_main(argc, argv, parse_args, print_help, run, cli::InvalidArgument::error);
 }

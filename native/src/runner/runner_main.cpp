@@ -14,8 +14,6 @@
 #include <unordered_set>
 #include <vector>
 
-#include <executorch/runtime/platform/platform.h>
-#include <executorch/runtime/platform/runtime.h>
 #include <nlohmann/json.hpp>
 
 #include "runner/cli_common.h"
@@ -31,28 +29,16 @@ namespace {
 
 using json = nlohmann::json;
 using namespace llmrt;
-using cli::Clock;
-using cli::ms_since;
-using cli::parse_double;
-using cli::parse_int;
-using cli::UsageError;
+using namespace llmrt::cli;  // Clock, ms_since, parse_int, UsageError
 
-struct Options {
-  std::string pte, tokenizer, prompt, prompt_ids, chat = "0", stats_json;
+// llm_runner's own flags; those both runners take are parsed by cli::CommonOptions.
+struct Options : cli::CommonOptions {
+  std::string prompt, prompt_ids;
   bool has_prompt = false, has_prompt_ids = false;
-  int64_t max_new_tokens = 50;
-  double temperature = 0.0;
-  double top_p = 1.0;
-  int64_t top_k = 0;
-  uint64_t seed = 42;
-  bool warmup = false, interactive = false, encode = false, quiet = false, ignore_eos = false;
-  int64_t threads = 0;
+  bool warmup = false, interactive = false, encode = false;
   // off-graph KV cache (programs exported with cache.mode=offgraph)
   int64_t kv_max_capacity = 0;  // 0 = in-graph program
-  int64_t kv_initial_capacity = 512;
-  std::string kv_storage_dtype;  // empty = the program's activation dtype
-  std::string kv_windows;        // empty = the program's get_windows
-  bool kv_flags = false;         // any --kv-* flag other than --kv-max-capacity given
+  std::string kv_windows;       // empty = the program's get_windows
 };
 
 void print_help() {
@@ -122,55 +108,27 @@ std::vector<int64_t> parse_ids(const std::string& s) {
 Options parse_args(int argc, char** argv, bool* help) {
   Options o;
   *help = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], v;
-    bool has_inline = false;
-    if (a.rfind("--", 0) == 0) {
-      size_t eq = a.find('=');
-      if (eq != std::string::npos) {
-        v = a.substr(eq + 1);
-        a = a.substr(0, eq);
-        has_inline = true;
-      }
-    }
-    auto value = [&]() -> std::string {
-      if (has_inline) return v;
-      if (i + 1 >= argc) throw UsageError(a + " needs a value");
-      return argv[++i];
-    };
-    auto flag = [&]() {
-      if (has_inline) throw UsageError(a + " takes no value");
-    };
+  cli::ArgReader args(argc, argv);
+  while (args.next()) {
+    const std::string& a = args.name();
     if (a == "--help" || a == "-h") {
       *help = true;
       return o;
-    } else if (a == "--pte") o.pte = value();
-    else if (a == "--tokenizer") o.tokenizer = value();
-    else if (a == "--prompt") {
-      o.prompt = value();
+    }
+    if (o.parse(args)) {
+      // a bad dtype is refused where it stands, before the flags after it are read
+      if (a == "--kv-storage-dtype") o.check_kv_storage_dtype();
+      continue;
+    }
+    if (a == "--prompt") {
+      o.prompt = args.value();
       o.has_prompt = true;
     } else if (a == "--prompt-ids") {
-      o.prompt_ids = value();
+      o.prompt_ids = args.value();
       o.has_prompt_ids = true;
-    } else if (a == "--chat") o.chat = value();
-    else if (a == "--max-new-tokens") o.max_new_tokens = parse_int(a, value());
-    else if (a == "--temperature") o.temperature = parse_double(a, value());
-    else if (a == "--top-p") o.top_p = parse_double(a, value());
-    else if (a == "--top-k") o.top_k = parse_int(a, value());
-    else if (a == "--seed") o.seed = static_cast<uint64_t>(parse_int(a, value()));
-    else if (a == "--stats-json") o.stats_json = value();
-    else if (a == "--threads") o.threads = parse_int(a, value());
-    else if (a == "--kv-max-capacity") o.kv_max_capacity = parse_int(a, value());
-    else if (a == "--kv-initial-capacity") {
-      o.kv_initial_capacity = parse_int(a, value());
-      o.kv_flags = true;
-    } else if (a == "--kv-storage-dtype") {
-      o.kv_storage_dtype = value();
-      o.kv_flags = true;
-      if (offgraph::parse_dtype(o.kv_storage_dtype) < 0)
-        throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + o.kv_storage_dtype + "'");
-    } else if (a == "--kv-windows") {
-      o.kv_windows = value();
+    } else if (a == "--kv-max-capacity") o.kv_max_capacity = parse_int(a, args.value());
+    else if (a == "--kv-windows") {
+      o.kv_windows = args.value();
       o.kv_flags = true;
       try {
         offgraph::parse_windows(o.kv_windows);
@@ -178,21 +136,16 @@ Options parse_args(int argc, char** argv, bool* help) {
         throw UsageError(e.what());
       }
     }
-    else if (a == "--warmup") { flag(); o.warmup = true; }
-    else if (a == "--ignore-eos") { flag(); o.ignore_eos = true; }
-    else if (a == "--interactive") { flag(); o.interactive = true; }
-    else if (a == "--encode") { flag(); o.encode = true; }
-    else if (a == "--quiet") { flag(); o.quiet = true; }
+    else if (a == "--warmup") { args.no_value(); o.warmup = true; }
+    else if (a == "--interactive") { args.no_value(); o.interactive = true; }
+    else if (a == "--encode") { args.no_value(); o.encode = true; }
     else throw UsageError("unknown argument '" + a + "' (see --help)");
   }
-  if (o.max_new_tokens < 0) throw UsageError("--max-new-tokens must be >= 0");
-  if (o.temperature < 0) throw UsageError("--temperature must be >= 0");
-  if (!(o.top_p > 0.0 && o.top_p <= 1.0)) throw UsageError("--top-p must be in (0, 1]");
-  if (o.top_k < 0) throw UsageError("--top-k must be >= 0");
-  if (o.threads < 0) throw UsageError("--threads must be >= 0");
+  o.check_max_new_tokens();
+  o.check_sampling();
+  o.check_threads();
   if (o.kv_max_capacity < 0) throw UsageError("--kv-max-capacity must be >= 0 (0 = in-graph program)");
-  if (o.kv_initial_capacity < 1)
-    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(o.kv_initial_capacity));
+  o.check_kv_initial_capacity();
   if (o.kv_flags && o.kv_max_capacity == 0)
     throw UsageError("--kv-initial-capacity, --kv-storage-dtype and --kv-windows need --kv-max-capacity");
   if (o.has_prompt && o.has_prompt_ids) throw UsageError("give --prompt or --prompt-ids, not both");
@@ -444,10 +397,7 @@ int run_encode(const Options& o) {
 int run(const Options& o) {
   if (o.encode) return run_encode(o);
   ChatTemplate tpl = chat_template(o.chat);  // validate before the slow parts
-  if (o.threads > 0) {
-    auto* pool = executorch::extension::threadpool::get_threadpool();
-    if (pool) pool->_unsafe_reset_threadpool(static_cast<uint32_t>(o.threads));
-  }
+  cli::set_threads(o.threads);
   LoadInfo li;
   auto t0 = Clock::now();
   LlmProgram prog(o.pte);
@@ -461,8 +411,7 @@ int run(const Options& o) {
     check_vocab(*tok, info);
   }
   li.rss_load = rss_mib();
-  if (auto* pool = executorch::extension::threadpool::get_threadpool())
-    li.threads = static_cast<int>(pool->get_thread_count());
+  li.threads = cli::thread_count();
 
   std::string eos;
   for (int64_t id : info.eos_ids) eos += (eos.empty() ? "" : ",") + std::to_string(id);
@@ -498,10 +447,8 @@ int run(const Options& o) {
     if (chunk < info.max_seq_len)
       std::fprintf(stderr, "[cache] prefill chunk %lld -> %lld (narrowest ring window)\n",
                    static_cast<long long>(info.max_seq_len), static_cast<long long>(chunk));
-    int dtype = o.kv_storage_dtype.empty() ? static_cast<int>(info.activation_dtype)
-                                           : offgraph::parse_dtype(o.kv_storage_dtype);
     cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
-                                                       o.kv_initial_capacity, dtype);
+                                                       o.kv_initial_capacity, o.kv_dtype(info.activation_dtype));
     prog.set_position_limit(o.kv_max_capacity);
   } else {
     if (info.offgraph)
@@ -540,10 +487,7 @@ int run(const Options& o) {
     std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids)
                                                 : encode_turn(*tok, tpl, o.prompt, true, info.bos_id);
     if (ids.empty()) throw UsageError("the prompt is empty (no tokens)");
-    for (int64_t id : ids)
-      if (id < 0 || id >= info.vocab_size)
-        throw UsageError("prompt id " + std::to_string(id) + " is outside the vocabulary [0, " +
-                         std::to_string(info.vocab_size) + ")");
+    cli::check_prompt_ids(ids, info.vocab_size);
     if (static_cast<int64_t>(ids.size()) > cache.capacity())
       throw ProgramError("the prompt has " + std::to_string(ids.size()) +
                          " tokens but the " + (info.offgraph ? "KV cache" : "program's context") +
@@ -631,31 +575,5 @@ int run(const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(cli::pal_log, __FILE__));
-  executorch::runtime::runtime_init();
-  bool help = false;
-  Options o;
-  try {
-    o = parse_args(argc, argv, &help);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  if (help) {
-    print_help();
-    return 0;
-  }
-  try {
-    return run(o);
-  } catch (const UsageError& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
+  return cli::run_main(argc, argv, parse_args, print_help, run, cli::InvalidArgument::usage);
 }
