@@ -48,7 +48,8 @@ class NativeRunError(NativeError):
 
 def _sources() -> list[Path]:
     files = [NATIVE_DIR / "CMakeLists.txt", NATIVE_DIR / "build.sh"]
-    files += sorted((NATIVE_DIR / "src").glob("*"))
+    # native/src has a folder per part, and native/tests holds sources the build compiles too
+    files += sorted((NATIVE_DIR / "src").rglob("*")) + sorted((NATIVE_DIR / "tests").rglob("*"))
     return [f for f in files if f.is_file()]
 
 

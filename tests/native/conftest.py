@@ -86,7 +86,8 @@ def batched_bins(native_bins):
     from pipeline import native
 
     bins = (native.BUILD_DIR / "llm_batched_runner", native.BUILD_DIR / "prefix_cache_test")
-    sources = [native.NATIVE_DIR / "CMakeLists.txt", *(native.NATIVE_DIR / "src").glob("*")]
+    sources = [native.NATIVE_DIR / "CMakeLists.txt", *(native.NATIVE_DIR / "src").rglob("*"),
+               *(native.NATIVE_DIR / "tests").rglob("*")]  # prefix_cache_test.cpp is in native/tests
     newest = max(f.stat().st_mtime for f in sources if f.is_file())
     if any(not b.exists() or b.stat().st_mtime < newest for b in bins):
         native.build_native(force=True)

@@ -1,4 +1,4 @@
-"""C++ tokenizer (native/src/tokenizer.cpp) against HF `tokenizers`."""
+"""C++ tokenizer (native/src/tokenizer/) against HF `tokenizers`."""
 from __future__ import annotations
 
 import json

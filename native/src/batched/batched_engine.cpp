@@ -1,0 +1,328 @@
+#include "batched/batched_engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+namespace llmrt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// A prefix-cache entry: a session cache frozen right after its prompt's prefill.
+class CacheSnapshot final : public PrefixSnapshot {
+ public:
+  explicit CacheSnapshot(std::unique_ptr<SessionCache> cache) : cache_(std::move(cache)) {}
+  bool can_restore(int64_t n, std::string* why) const override { return cache_->can_rewind(n, why); }
+  const SessionCache& cache() const { return *cache_; }
+
+ private:
+  std::unique_ptr<SessionCache> cache_;
+};
+
+// Unbinds the batched step however the forward ends.
+struct BatchBinding {
+  explicit BatchBinding(const offgraph::BatchStep* step) {
+    offgraph::set_last_error("");
+    offgraph::bind_batch(step);
+  }
+  ~BatchBinding() { offgraph::bind_batch(nullptr); }
+};
+
+}  // namespace
+
+const char* cache_kind_name(CacheKind k) {
+  return k == CacheKind::cell ? "batched-cell" : "batched-sequence";
+}
+
+void EngineStats::add(const EngineStats& o) {
+  wall_ms += o.wall_ms;
+  decode_ms += o.decode_ms;
+  capture_ms += o.capture_ms;
+  forwards += o.forwards;
+  rows += o.rows;
+  max_rows = std::max(max_rows, o.max_rows);
+  prefill_tokens += o.prefill_tokens;
+  decode_tokens += o.decode_tokens;
+  generated += o.generated;
+  peak_sessions = std::max(peak_sessions, o.peak_sessions);
+  peak_kv_bytes = std::max(peak_kv_bytes, o.peak_kv_bytes);
+}
+
+struct Engine::Session {
+  Generation gen;
+  std::unique_ptr<SessionCache> cache;
+  Sampler sampler;
+  int64_t fed = 0;        // prompt tokens in the cache
+  int64_t pending = -1;   // sampled, not yet fed
+  bool decoding = false;  // the prompt is in, decode steps from here
+  bool done = false;
+  uint64_t served = 0;    // clock of the last step that gave it logits
+  Clock::time_point admitted, first_token, last_token;
+
+  Session(const Request& r, const EngineOptions& o)
+      : sampler(o.temperature, o.top_p, o.top_k, o.seed + static_cast<uint64_t>(r.prompt)) {
+    gen.req = r;
+  }
+  int64_t remaining() const { return static_cast<int64_t>(gen.req.ids.size()) - fed; }
+};
+
+Engine::Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int64_t chunk, EngineOptions opts,
+               std::unordered_set<int64_t> stops)
+    : prog_(program), specs_(std::move(specs)), chunk_(chunk), o_(opts), stops_(std::move(stops)),
+      full_(program.all_rows_logits()), prefix_(opts.prefix_cache_entries) {
+  if (chunk_ < 1 || chunk_ > program.info().max_seq_len)
+    throw std::invalid_argument("rows per forward must be in [1, " + std::to_string(program.info().max_seq_len) +
+                                "], got " + std::to_string(chunk_));
+  if (o_.max_decode_sequences < 1) throw std::invalid_argument("--max-decode-sequences must be >= 1");
+  if (o_.cache_kind == CacheKind::cell)
+    pool_ = std::make_unique<CellPool>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+  else
+    new_cache();  // checks the geometry now, not at the first admission
+  prog_.set_position_limit(o_.max_session_tokens);
+}
+
+Engine::~Engine() {
+  active_.clear();  // sessions and snapshots go before the pool
+  prefix_.clear();
+}
+
+std::unique_ptr<SessionCache> Engine::new_cache() {
+  if (pool_) return std::make_unique<CellCache>(*pool_);
+  return std::make_unique<SequenceCache>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+}
+
+std::string Engine::describe() const {
+  if (pool_) return pool_->describe() + "\n[cache] batched-cell: one pool of cells shared by every session";
+  SequenceCache probe(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+  return probe.cache().describe() + "\n[cache] batched-sequence: one off-graph cache per session";
+}
+
+int64_t Engine::kv_bytes() const {
+  if (pool_) return pool_->bytes();
+  int64_t b = 0;
+  for (const auto& s : active_) b += s->cache->bytes();
+  for (const auto& w : snapshots_)
+    if (auto snap = w.lock()) b += static_cast<const CacheSnapshot&>(*snap).cache().bytes();
+  return b;
+}
+
+std::unique_ptr<Engine::Session> Engine::admit(const Request& r) {
+  auto s = std::make_unique<Session>(r, o_);
+  s->admitted = Clock::now();
+  s->served = clock_;
+  const int64_t n = static_cast<int64_t>(r.ids.size());
+  if (n == 0) {
+    fail(*s, "the prompt is empty (no tokens)");
+    return s;
+  }
+  if (n > o_.max_session_tokens) {
+    fail(*s, "the prompt has " + std::to_string(n) + " tokens but a session holds " +
+                 std::to_string(o_.max_session_tokens) + " (--max-session-tokens)");
+    return s;
+  }
+  if (PrefixHit hit = prefix_.lookup(r.ids)) {
+    s->cache = static_cast<const CacheSnapshot&>(*hit.snapshot).cache().clone();
+    std::string why;
+    if (!s->cache->rewind(hit.reused, &why)) throw std::logic_error("prefix cache: restore refused: " + why);
+    s->fed = s->gen.cached_tokens = hit.reused;
+    s->gen.prefix_refusals = std::move(hit.refusals);
+  } else {
+    s->gen.prefix_refusals = std::move(hit.refusals);
+    s->cache = new_cache();
+  }
+  return s;
+}
+
+std::vector<Engine::Piece> Engine::plan_step() {
+  std::vector<Piece> step;
+  std::vector<Session*> dec, pre;
+  for (auto& s : active_) (s->decoding ? dec : pre).push_back(s.get());
+  std::stable_sort(dec.begin(), dec.end(), [](const Session* a, const Session* b) { return a->served < b->served; });
+  int64_t rows = chunk_;
+  if (full_) {
+    const int64_t keep = pre.empty() || chunk_ == 1 ? 0 : 1;  // a row for the waiting prompts
+    const int64_t nd = std::min<int64_t>(static_cast<int64_t>(dec.size()), rows - keep);
+    for (int64_t i = 0; i < nd; ++i) step.push_back({dec[i], 1, true});
+    rows -= nd;
+    for (Session* s : pre) {
+      if (rows == 0) break;
+      const int64_t m = std::min(rows, s->remaining());
+      step.push_back({s, m, m == s->remaining()});
+      rows -= m;
+    }
+    return step;
+  }
+  Session* last = dec.empty() ? nullptr : dec.front();
+  for (Session* s : pre)
+    if (s->remaining() <= chunk_ && (last == nullptr || s->served < last->served)) last = s;
+  if (last) rows -= last->decoding ? 1 : last->remaining();
+  for (Session* s : pre) {
+    if (rows == 0) break;
+    if (s == last) continue;
+    const int64_t m = std::min(rows, s->remaining() - 1);  // this piece must not end its prompt
+    if (m > 0) {
+      step.push_back({s, m, false});
+      rows -= m;
+    }
+  }
+  if (last) step.push_back({last, last->decoding ? 1 : last->remaining(), true});
+  return step;
+}
+
+void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
+  const auto t0 = Clock::now();
+  // room in every cache first: the kernel never allocates (a pool's storage must not move mid-step)
+  std::vector<Piece> ok;
+  for (Piece& p : step) {
+    std::string why;
+    if (p.s->cache->reserve(p.s->cache->length(), p.n, &why)) ok.push_back(p);
+    else fail(*p.s, "cannot reserve the step: " + why);
+  }
+  step.swap(ok);
+  if (step.empty()) return;
+  offgraph::BatchStep batch;
+  tokens_.clear();
+  positions_.clear();
+  logit_rows_.clear();
+  int64_t decode_rows = 0;
+  for (const Piece& p : step) {
+    Session& s = *p.s;
+    const int64_t pos = s.cache->length();
+    batch.groups.push_back({s.cache.get(), pos, p.n});
+    for (int64_t i = 0; i < p.n; ++i) {
+      tokens_.push_back(s.decoding ? s.pending : s.gen.req.ids[static_cast<size_t>(s.fed + i)]);
+      positions_.push_back(pos + i);
+    }
+    if (p.logits) logit_rows_.push_back(static_cast<int64_t>(tokens_.size()) - 1);
+    if (s.decoding) ++decode_rows;
+  }
+  const int64_t n = static_cast<int64_t>(tokens_.size());
+  const std::vector<float>* logits = nullptr;
+  try {
+    BatchBinding bind(&batch);
+    logits = &prog_.forward_rows(tokens_.data(), positions_.data(), n, logit_rows_);
+  } catch (const std::exception& e) {
+    for (Piece& p : step) fail(*p.s, e.what());
+    return;
+  }
+  const int64_t V = prog_.info().vocab_size;
+  size_t li = 0;
+  double capture_ms = 0;
+  for (Piece& p : step) {
+    Session& s = *p.s;
+    const int64_t pos = s.cache->length();
+    s.cache->commit(pos, p.n);
+    const float* row = p.logits ? logits->data() + static_cast<int64_t>(li++) * V : nullptr;
+    if (p.logits) s.served = clock_;
+    if (s.decoding) {
+      accept(s, s.sampler.sample(row, V));
+      continue;
+    }
+    s.fed += p.n;
+    st->prefill_tokens += p.n;
+    if (s.remaining() > 0) continue;
+    if (prefix_.enabled()) {  // right after the prefill, before decode writes into any ring
+      const auto tc = Clock::now();
+      auto snap = std::make_shared<const CacheSnapshot>(s.cache->clone());
+      snapshots_.push_back(snap);
+      prefix_.insert(s.gen.req.ids, std::move(snap));
+      capture_ms += ms_between(tc, Clock::now());
+    }
+    s.decoding = true;
+    if (o_.max_new_tokens == 0) {
+      s.gen.ttft_ms = ms_between(s.admitted, Clock::now());
+      finish(s, "max_new_tokens");
+      continue;
+    }
+    accept(s, s.sampler.sample(row, V));
+  }
+  const double ms = ms_between(t0, Clock::now()) - capture_ms;
+  ++clock_;
+  ++st->forwards;
+  st->rows += n;
+  st->max_rows = std::max(st->max_rows, n);
+  st->decode_tokens += decode_rows;
+  st->decode_ms += ms * static_cast<double>(decode_rows) / static_cast<double>(n);
+  st->capture_ms += capture_ms;
+}
+
+bool Engine::accept(Session& s, int64_t token) {
+  const auto now = Clock::now();
+  if (s.gen.generated.empty()) {
+    s.first_token = now;
+    s.gen.ttft_ms = ms_between(s.admitted, now);
+  }
+  s.last_token = now;
+  s.gen.generated.push_back(token);
+  if (stops_.count(token)) {
+    finish(s, "stop_token");
+  } else if (static_cast<int64_t>(s.gen.generated.size()) >= o_.max_new_tokens) {
+    finish(s, "max_new_tokens");
+  } else if (s.cache->length() >= s.cache->capacity()) {
+    finish(s, "context_full");
+  } else {
+    s.pending = token;
+    return true;
+  }
+  return false;
+}
+
+void Engine::finish(Session& s, const std::string& reason) {
+  s.gen.stop_reason = reason;
+  if (!s.gen.generated.empty()) s.gen.decode_ms = ms_between(s.first_token, s.last_token);
+  s.done = true;
+}
+
+void Engine::fail(Session& s, const std::string& error) {
+  s.gen.ok = false;
+  s.gen.error = error;
+  s.gen.stop_reason = "error";
+  s.done = true;
+}
+
+std::vector<Generation> Engine::run(const std::vector<Request>& requests, EngineStats* stats) {
+  EngineStats st;
+  const auto t0 = Clock::now();
+  std::vector<Generation> out(requests.size());
+  size_t next = 0;
+  auto retire = [&](std::unique_ptr<Session>& s) {
+    const size_t i = static_cast<size_t>(std::find_if(requests.begin(), requests.end(),
+                                                      [&](const Request& r) { return r.id == s->gen.req.id; }) -
+                                         requests.begin());
+    st.generated += static_cast<int64_t>(s->gen.generated.size());
+    out[i] = std::move(s->gen);
+    s.reset();
+  };
+  while (next < requests.size() || !active_.empty()) {
+    while (next < requests.size() && static_cast<int64_t>(active_.size()) < o_.max_decode_sequences) {
+      std::unique_ptr<Session> s = admit(requests[next]);
+      s->gen.queued_ms = ms_between(t0, s->admitted);
+      ++next;
+      if (s->done) retire(s);
+      else active_.push_back(std::move(s));
+    }
+    st.peak_sessions = std::max<int64_t>(st.peak_sessions, static_cast<int64_t>(active_.size()));
+    if (active_.empty()) continue;
+    std::vector<Piece> step = plan_step();
+    if (step.empty()) throw std::logic_error("the scheduler planned an empty step");
+    execute(step, &st);
+    st.peak_kv_bytes = std::max(st.peak_kv_bytes, kv_bytes());
+    for (auto& s : active_)
+      if (s->done) retire(s);
+    active_.erase(std::remove(active_.begin(), active_.end(), nullptr), active_.end());
+    snapshots_.erase(std::remove_if(snapshots_.begin(), snapshots_.end(),
+                                    [](const std::weak_ptr<const PrefixSnapshot>& w) { return w.expired(); }),
+                     snapshots_.end());
+  }
+  st.wall_ms = ms_between(t0, Clock::now());
+  if (stats) *stats = st;
+  return out;
+}
+
+}  // namespace llmrt

@@ -1,0 +1,127 @@
+// The batched runner's engine: independent sessions over one loaded off-graph program.
+//
+// Each session owns a SessionCache (session_cache.h / cell_pool.h) and its own seeded sampler.
+// Requests are admitted in order while fewer than max_decode_sequences sessions are active; an
+// admitted prompt first asks the prefix cache (prefix_cache.h) for a snapshot to resume from.
+//
+// Scheduler (decode first). Every engine step is ONE forward of at most `chunk` rows, made of row
+// groups of different sessions (bound to the kernel as an offgraph::BatchStep, so each group writes
+// to and attends over its own cache; the positions input carries each row's own position):
+//   - logits mode `full` (the program returns every row): one row for each decoding session, least
+//     recently served first (at most chunk - 1 while a prompt is waiting, so prefill always moves),
+//     then prompt pieces of the prefilling sessions in admission order fill the rows left; each
+//     decode row and each piece that ends its prompt gets its logits row.
+//   - `last` (only the last row has logits): one logits group per forward, placed last: the least
+//     recently served of the decoding sessions and the prompts that can end in this step (decoders
+//     win ties); prompt pieces that do not end their prompt ride along before it. Decode tokens are
+//     then one per forward, but prefill shares the decode forwards.
+// A prompt's snapshot is captured right after the step that ends its prefill, before any decode.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "batched/cell_pool.h"
+#include "batched/prefix_cache.h"
+#include "batched/session_cache.h"
+#include "runtime/llm_program.h"
+#include "runtime/sampler.h"
+
+namespace llmrt {
+
+enum class CacheKind { sequence, cell };
+const char* cache_kind_name(CacheKind k);  // "batched-sequence" / "batched-cell"
+
+struct EngineOptions {
+  CacheKind cache_kind = CacheKind::sequence;
+  int64_t max_session_tokens = 0;    // KV positions per session
+  int64_t max_decode_sequences = 4;  // sessions active at once
+  int64_t max_new_tokens = 50;
+  int64_t kv_initial_capacity = 512;
+  int kv_dtype = kv::kFloat;
+  double temperature = 0.0, top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 42;  // session of prompt p samples with seed + p
+  size_t prefix_cache_entries = 0;
+};
+
+struct Request {
+  int64_t id = 0;  // generation number
+  int round = 0, prompt = 0;
+  std::vector<int64_t> ids;
+};
+
+struct Generation {
+  Request req;
+  bool ok = true;
+  std::string error;
+  int64_t cached_tokens = 0;       // prompt tokens resumed from a prefix-cache snapshot
+  std::vector<std::string> prefix_refusals;
+  std::vector<int64_t> generated;  // a final stop token included
+  std::string stop_reason;
+  double queued_ms = 0, ttft_ms = 0, decode_ms = 0;  // decode: first token -> last token
+  double decode_ms_per_token() const {
+    return generated.size() > 1 ? decode_ms / static_cast<double>(generated.size() - 1) : 0.0;
+  }
+};
+
+struct EngineStats {
+  double wall_ms = 0, decode_ms = 0, capture_ms = 0;  // decode: forward time shared out by rows
+  int64_t forwards = 0, rows = 0, max_rows = 0, prefill_tokens = 0, decode_tokens = 0, generated = 0;
+  int64_t peak_sessions = 0, peak_kv_bytes = 0;
+  double decode_tok_s() const { return decode_ms > 0 ? decode_tokens * 1000.0 / decode_ms : 0.0; }
+  void add(const EngineStats& o);
+};
+
+class Engine {
+ public:
+  // chunk: rows per forward (<= the program's max_seq_len and the narrowest ring window).
+  Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int64_t chunk, EngineOptions opts,
+         std::unordered_set<int64_t> stops);
+  ~Engine();
+
+  // Runs the requests to the end; the generations come back in request order.
+  std::vector<Generation> run(const std::vector<Request>& requests, EngineStats* stats);
+
+  const PrefixCache& prefix_cache() const { return prefix_; }
+  bool full_logits() const { return full_; }
+  int64_t chunk() const { return chunk_; }
+  // The cache report ("[cache] ..." lines).
+  std::string describe() const;
+
+ private:
+  struct Session;
+  struct Piece {
+    Session* s;
+    int64_t n;    // rows
+    bool logits;  // needs the logits of its last row
+  };
+
+  std::unique_ptr<SessionCache> new_cache();
+  std::unique_ptr<Session> admit(const Request& r);
+  std::vector<Piece> plan_step();
+  void execute(std::vector<Piece>& step, EngineStats* stats);
+  // Takes the token sampled for s; false once the session is done.
+  bool accept(Session& s, int64_t token);
+  void finish(Session& s, const std::string& reason);
+  void fail(Session& s, const std::string& error);
+  int64_t kv_bytes() const;
+
+  LlmProgram& prog_;
+  std::vector<offgraph::LayerSpec> specs_;
+  int64_t chunk_;
+  EngineOptions o_;
+  std::unordered_set<int64_t> stops_;
+  bool full_;
+  std::unique_ptr<CellPool> pool_;  // before every cache that uses it (destroyed after them)
+  PrefixCache prefix_;
+  std::vector<std::weak_ptr<const PrefixSnapshot>> snapshots_;
+  std::vector<std::unique_ptr<Session>> active_;
+  uint64_t clock_ = 0;  // steps run, for fairness
+  std::vector<int64_t> tokens_, positions_, logit_rows_;
+};
+
+}  // namespace llmrt

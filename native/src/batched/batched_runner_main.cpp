@@ -1,0 +1,427 @@
+// llm_batched_runner: several independent sessions over one loaded off-graph program, with an
+// opt-in prefix cache (offgraph-cache.md §4). Run with --help for the flags and their defaults.
+//
+//   llm_batched_runner --pte og.pte --tokenizer tokenizer.json --chat gemma --prefix-cache-entries 2
+//       --prompt-rounds 2 "What is the capital of France?" "Name a prime."
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "batched/batched_engine.h"
+#include "runner/cli_common.h"
+#include "runtime/chat_template.h"
+#include "runtime/llm_program.h"
+#include "runtime/sysmem.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
+
+namespace {
+
+using json = nlohmann::json;
+using namespace llmrt;
+using namespace llmrt::cli;  // Clock, ms_since, parse_int, UsageError
+
+// llm_batched_runner's own flags and prompts; cli::CommonOptions parses the shared flags.
+struct Options : cli::CommonOptions {
+  std::string out_prefix;
+  std::vector<std::string> prompts;
+  bool ids = false;
+  int64_t max_session_tokens = 0, max_decode_sequences = 4;
+  std::string cache_kind = "batched-sequence";
+  int64_t prefix_cache_entries = 0, prompt_rounds = 1;
+};
+
+void print_help() {
+  Options d;
+  std::printf(
+      "llm_batched_runner: serve several prompts as independent sessions over one off-graph\n"
+      "program (cache.mode=offgraph), decode steps of the sessions sharing forwards, with an\n"
+      "opt-in prefix cache.\n"
+      "\n"
+      "usage: llm_batched_runner --pte FILE --tokenizer tokenizer.json [options] PROMPT [PROMPT...]\n"
+      "       llm_batched_runner --pte FILE --ids [options] 1,2,3 4,5,6\n"
+      "\n"
+      "  --pte PATH                  off-graph program to run (required)\n"
+      "  --tokenizer PATH            HF tokenizer.json (required unless --ids)\n"
+      "  --ids                       the prompts are comma-separated token ids, used as they are\n"
+      "                              (no template, no BOS) (default: off)\n"
+      "  --chat NAME                 chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n"
+      "                              with BOS) (default: %s)\n"
+      "  --max-new-tokens N          generation budget per session (default: %lld)\n"
+      "  --max-session-tokens N      KV positions per session, at most the program's max context;\n"
+      "                              0 = the program's max context (default: %lld)\n"
+      "  --max-decode-sequences N    sessions active at once (default: %lld)\n"
+      "  --cache-kind K              batched-sequence (one off-graph cache per session) |\n"
+      "                              batched-cell (one pool of cells shared by the sessions)\n"
+      "                              (default: %s)\n"
+      "  --kv-initial-capacity N     positions first allocated per flat layer (per session, or\n"
+      "                              cells of the pool); doubles on demand (default: %lld)\n"
+      "  --kv-storage-dtype T        fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
+      "  --temperature T             0 = greedy argmax (default: %g)\n"
+      "  --top-p P                   nucleus sampling, 1 = off (default: %g)\n"
+      "  --top-k K                   top-k sampling, 0 = off (default: %lld)\n"
+      "  --seed S                    the session of prompt p samples with seed S + p (default: %lld)\n"
+      "  --prefix-cache-entries N    snapshots kept by the prefix cache, 0 = off (default: %lld)\n"
+      "  --prompt-rounds N           run the prompts N times on fresh sessions, keeping the prefix\n"
+      "                              cache (default: %lld)\n"
+      "  --out-prefix P              write each generation's text to P_<n>.txt, n = round x prompts\n"
+      "                              + prompt (default: none)\n"
+      "  --stats-json PATH           write the reports as JSON lines (default: none)\n"
+      "  --ignore-eos                generate the whole budget (benchmarks) (default: off)\n"
+      "  --threads N                 XNNPACK/ExecuTorch thread-pool size, 0 = runtime default\n"
+      "                              (default: %lld)\n"
+      "  --quiet                     do not print the texts to stdout (default: off)\n"
+      "  --help                      this text\n"
+      "\n"
+      "Output: each generation's text goes to stdout; the reports go to stderr: one line per\n"
+      "generation ('GEN_JSON: {...}': prompt / cached / generated tokens, time to first token,\n"
+      "decode ms/token), the round-to-round parity of the outputs, and the engine ('ENGINE_JSON:\n"
+      "{...}': wall time, forwards, decode tok/s over all sessions, peak sessions). Exit code 0\n"
+      "when every generation succeeded, 1 on errors or a failed generation, 2 on bad usage.\n",
+      d.chat.c_str(), static_cast<long long>(d.max_new_tokens), static_cast<long long>(d.max_session_tokens),
+      static_cast<long long>(d.max_decode_sequences), d.cache_kind.c_str(),
+      static_cast<long long>(d.kv_initial_capacity), d.temperature, d.top_p, static_cast<long long>(d.top_k),
+      static_cast<long long>(d.seed), static_cast<long long>(d.prefix_cache_entries),
+      static_cast<long long>(d.prompt_rounds), static_cast<long long>(d.threads));
+}
+
+Options parse_args(int argc, char** argv, bool* help) {
+  Options o;
+  *help = false;
+  bool flags_done = false;
+  cli::ArgReader args(argc, argv);
+  while (args.next()) {
+    if (flags_done || args.arg().rfind("--", 0) != 0) {
+      o.prompts.push_back(args.arg());
+      continue;
+    }
+    if (args.arg() == "--") {
+      flags_done = true;
+      continue;
+    }
+    const std::string& a = args.name();
+    if (a == "--help") {
+      *help = true;
+      return o;
+    }
+    if (o.parse(args)) continue;
+    if (a == "--max-session-tokens") o.max_session_tokens = parse_int(a, args.value());
+    else if (a == "--max-decode-sequences") o.max_decode_sequences = parse_int(a, args.value());
+    else if (a == "--cache-kind") o.cache_kind = args.value();
+    else if (a == "--prefix-cache-entries") o.prefix_cache_entries = parse_int(a, args.value());
+    else if (a == "--prompt-rounds") o.prompt_rounds = parse_int(a, args.value());
+    else if (a == "--out-prefix") o.out_prefix = args.value();
+    else if (a == "--ids") { args.no_value(); o.ids = true; }
+    else throw UsageError("unknown argument '" + a + "' (see --help)");
+  }
+  if (o.pte.empty()) throw UsageError("--pte is required (see --help)");
+  if (o.prompts.empty()) throw UsageError("give at least one prompt (positional arguments)");
+  if (!o.ids && o.tokenizer.empty()) throw UsageError("--tokenizer is required unless --ids is given");
+  if (o.cache_kind != "batched-sequence" && o.cache_kind != "batched-cell")
+    throw UsageError("--cache-kind expects batched-sequence or batched-cell, got '" + o.cache_kind + "'");
+  if (!o.kv_storage_dtype.empty()) o.check_kv_storage_dtype();  // empty: the program's dtype
+  o.check_max_new_tokens();
+  if (o.max_session_tokens < 0)
+    throw UsageError("--max-session-tokens must be >= 0 (0 = the program's max context)");
+  if (o.max_decode_sequences < 1) throw UsageError("--max-decode-sequences must be >= 1");
+  o.check_kv_initial_capacity();
+  o.check_sampling();
+  if (o.prefix_cache_entries < 0) throw UsageError("--prefix-cache-entries must be >= 0 (0 = off)");
+  if (o.prompt_rounds < 1) throw UsageError("--prompt-rounds must be >= 1");
+  o.check_threads();
+  try {
+    chat_template(o.chat);
+  } catch (const std::invalid_argument& e) {
+    throw UsageError(std::string("--chat: ") + e.what());
+  }
+  return o;
+}
+
+std::vector<int64_t> parse_ids(const std::string& s) {
+  std::vector<int64_t> ids;
+  std::stringstream ss(s);
+  std::string cur;
+  while (std::getline(ss, cur, ',')) {
+    size_t a = cur.find_first_not_of(" \t"), b = cur.find_last_not_of(" \t");
+    if (a == std::string::npos) throw UsageError("--ids: prompt '" + s + "' has an empty entry");
+    ids.push_back(parse_int("--ids", cur.substr(a, b - a + 1)));
+  }
+  return ids;
+}
+
+std::string decode_text(const Tokenizer* tok, const std::vector<int64_t>& ids,
+                        const std::unordered_set<int64_t>& stops) {
+  std::string text;
+  if (!tok) {
+    for (int64_t id : ids) text += (text.empty() ? "" : " ") + std::to_string(id);
+    return text;
+  }
+  Utf8Stream stream;
+  bool first = true;
+  for (int64_t id : ids) {
+    if (stops.count(id)) break;
+    text += stream.push(tok->decode_token(static_cast<int32_t>(id), first));
+    first = false;
+  }
+  return text + stream.finish();
+}
+
+json gen_json(const Generation& g, const std::string& text) {
+  const size_t n = g.generated.size();
+  json j;
+  j["generation"] = g.req.id;
+  j["round"] = g.req.round;
+  j["prompt"] = g.req.prompt;
+  j["status"] = g.ok ? "ok" : "error";
+  if (!g.ok) j["error"] = g.error;
+  j["prompt_tokens"] = g.req.ids.size();
+  j["cached_tokens"] = g.cached_tokens;
+  j["generated_tokens"] = n;
+  j["prompt_ids"] = g.req.ids;
+  j["generated_ids"] = g.generated;
+  j["text"] = text;
+  j["stop_reason"] = g.stop_reason;
+  j["queued_ms"] = g.queued_ms;
+  j["ttft_ms"] = g.ttft_ms;
+  j["decode_ms"] = g.decode_ms;
+  j["decode_ms_per_token"] = g.decode_ms_per_token();
+  j["prefix_refusals"] = g.prefix_refusals;
+  return j;
+}
+
+json engine_json(const EngineStats& s) {
+  json j;
+  j["wall_ms"] = s.wall_ms;
+  j["forwards"] = s.forwards;
+  j["rows"] = s.rows;
+  j["max_rows"] = s.max_rows;
+  j["rows_per_forward"] = s.forwards ? static_cast<double>(s.rows) / s.forwards : 0.0;
+  j["prefill_tokens"] = s.prefill_tokens;
+  j["decode_tokens"] = s.decode_tokens;
+  j["decode_ms"] = s.decode_ms;
+  j["decode_tok_s"] = s.decode_tok_s();
+  j["generated_tokens"] = s.generated;
+  j["peak_sessions"] = s.peak_sessions;
+  j["kv_bytes_peak"] = s.peak_kv_bytes;
+  j["snapshot_ms"] = s.capture_ms;
+  return j;
+}
+
+// Every prompt's generations across rounds against round 0 (greedy: they must be equal).
+json parity_json(const std::vector<Generation>& gens, int64_t n_prompts, int64_t rounds) {
+  json out = json::array();
+  for (int64_t p = 0; p < n_prompts; ++p) {
+    const Generation& ref = gens[static_cast<size_t>(p)];
+    json e;
+    e["prompt"] = p;
+    bool same = true;
+    json diffs = json::array();
+    for (int64_t r = 1; r < rounds; ++r) {
+      const Generation& g = gens[static_cast<size_t>(r * n_prompts + p)];
+      if (g.generated == ref.generated) continue;
+      same = false;
+      const auto mis = std::mismatch(g.generated.begin(), g.generated.end(), ref.generated.begin(), ref.generated.end());
+      diffs.push_back({{"round", r}, {"first_difference", mis.first - g.generated.begin()}});
+    }
+    e["identical"] = same;
+    e["differences"] = diffs;
+    out.push_back(e);
+  }
+  return out;
+}
+
+void emit(std::ofstream* f, const char* tag, const json& j) {
+  const std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  std::fprintf(stderr, "%s: %s\n", tag, line.c_str());
+  if (f) *f << line << "\n";
+}
+
+int run(const Options& o) {
+  const ChatTemplate tpl = chat_template(o.chat);
+  const int threads = cli::set_threads(o.threads);
+  auto t0 = Clock::now();
+  LlmProgram prog(o.pte);
+  const double load_ms = ms_since(t0);
+  const ProgramInfo& info = prog.info();
+  if (!info.offgraph)
+    throw ProgramError("this program keeps its KV cache in the graph (no constant method 'get_n_caches'): "
+                       "llm_batched_runner serves off-graph programs (cache.mode=offgraph); use llm_runner");
+  const int64_t max_session = o.max_session_tokens == 0 ? info.max_context_len : o.max_session_tokens;
+  if (max_session > info.max_context_len)
+    throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +
+                     std::to_string(info.max_context_len) + " (get_max_context_len)");
+  std::unique_ptr<Tokenizer> tok;
+  if (!o.tokenizer.empty()) {
+    tok = Tokenizer::from_file(o.tokenizer);
+    if (tok->vocab_size() > info.vocab_size)
+      throw ProgramError("tokenizer vocabulary (" + std::to_string(tok->vocab_size()) +
+                         " ids) is larger than the program's (" + std::to_string(info.vocab_size) +
+                         "): wrong tokenizer for this program");
+  }
+
+  // prompts -> ids
+  std::vector<std::vector<int64_t>> prompts;
+  for (const std::string& p : o.prompts) {
+    std::vector<int64_t> ids = o.ids ? parse_ids(p) : encode_turn(*tok, tpl, p, true, info.bos_id);
+    cli::check_prompt_ids(ids, info.vocab_size);
+    prompts.push_back(std::move(ids));
+  }
+
+  // the caches: the program's geometry; a ring holds window + chunk - 1 slots
+  LlmProgram::CacheGeometry g = prog.cache_geometry();
+  std::vector<offgraph::LayerSpec> specs;
+  int64_t chunk = info.max_seq_len;
+  for (int64_t l = 0; l < g.n_caches; ++l) {
+    specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], g.windows[l]});
+    if (g.windows[l] > 0 && g.windows[l] < chunk) chunk = g.windows[l];
+  }
+  EngineOptions eo;
+  eo.cache_kind = o.cache_kind == "batched-cell" ? CacheKind::cell : CacheKind::sequence;
+  eo.max_session_tokens = max_session;
+  eo.max_decode_sequences = o.max_decode_sequences;
+  eo.max_new_tokens = o.max_new_tokens;
+  eo.kv_initial_capacity = o.kv_initial_capacity;
+  eo.kv_dtype = o.kv_dtype(info.activation_dtype);
+  eo.temperature = o.temperature;
+  eo.top_p = o.top_p;
+  eo.top_k = o.top_k;
+  eo.seed = o.seed;
+  eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
+  std::unordered_set<int64_t> stops;
+  if (!o.ignore_eos) {
+    stops.insert(info.eos_ids.begin(), info.eos_ids.end());
+    if (!tpl.raw && tok) {
+      int32_t te = tok->token_to_id(tpl.turn_end);
+      if (te >= 0) stops.insert(te);
+    }
+  }
+  Engine engine(prog, specs, chunk, eo, stops);
+
+  std::fprintf(stderr, "[program] %s | context %lld | chunk %lld | vocab %lld | logits %s | load %.1f ms | threads %d\n",
+               o.pte.c_str(), static_cast<long long>(info.max_context_len), static_cast<long long>(info.max_seq_len),
+               static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), load_ms, threads);
+  std::fprintf(stderr, "%s\n", engine.describe().c_str());
+  std::fprintf(stderr,
+               "[scheduler] decode-first | %lld rows per forward | %s | max %lld sessions, %lld tokens each | "
+               "prefix cache %lld entries\n",
+               static_cast<long long>(chunk),
+               engine.full_logits() ? "decode rows of several sessions share a forward (logits 'full')"
+                                    : "one decode row per forward, prompt pieces ride along (logits 'last')",
+               static_cast<long long>(o.max_decode_sequences), static_cast<long long>(max_session),
+               static_cast<long long>(o.prefix_cache_entries));
+
+  std::unique_ptr<std::ofstream> stats_file;
+  if (!o.stats_json.empty()) {
+    stats_file = std::make_unique<std::ofstream>(o.stats_json, std::ios::trunc);
+    if (!*stats_file) throw std::runtime_error("cannot write --stats-json file '" + o.stats_json + "'");
+  }
+
+  const int64_t np = static_cast<int64_t>(prompts.size());
+  std::vector<Generation> all;
+  EngineStats total;
+  json rounds = json::array();
+  for (int64_t r = 0; r < o.prompt_rounds; ++r) {
+    std::vector<Request> reqs;
+    for (int64_t p = 0; p < np; ++p)
+      reqs.push_back(Request{r * np + p, static_cast<int>(r), static_cast<int>(p), prompts[p]});
+    EngineStats st;
+    std::vector<Generation> gens = engine.run(reqs, &st);
+    total.add(st);
+    rounds.push_back(engine_json(st));
+    for (Generation& gen : gens) {
+      const std::string text = decode_text(tok.get(), gen.generated, stops);
+      if (!o.quiet)
+        std::printf("--- generation %lld (round %d, prompt %d) ---\n%s\n", static_cast<long long>(gen.req.id),
+                    gen.req.round, gen.req.prompt, text.c_str());
+      std::fflush(stdout);
+      std::fprintf(stderr,
+                   "[gen %lld] round %d prompt %d | prompt %zu tok | cached %lld | generated %zu tok (%s) | "
+                   "ttft %.1f ms | decode %.2f ms/tok%s%s\n",
+                   static_cast<long long>(gen.req.id), gen.req.round, gen.req.prompt, gen.req.ids.size(),
+                   static_cast<long long>(gen.cached_tokens), gen.generated.size(), gen.stop_reason.c_str(),
+                   gen.ttft_ms, gen.decode_ms_per_token(), gen.ok ? "" : " | error: ", gen.error.c_str());
+      for (const std::string& why : gen.prefix_refusals)
+        std::fprintf(stderr, "[prefix] gen %lld refused a snapshot: %s\n", static_cast<long long>(gen.req.id),
+                     why.c_str());
+      emit(stats_file.get(), "GEN_JSON", gen_json(gen, text));
+      if (!o.out_prefix.empty()) {
+        const std::string path = o.out_prefix + "_" + std::to_string(gen.req.id) + ".txt";
+        std::ofstream f(path, std::ios::trunc);
+        if (!f) throw std::runtime_error("cannot write --out-prefix file '" + path + "'");
+        f << text;
+      }
+      all.push_back(std::move(gen));
+    }
+  }
+
+  const json parity = parity_json(all, np, o.prompt_rounds);
+  if (o.prompt_rounds > 1)
+    for (const json& e : parity) {
+      if (e["identical"].get<bool>()) {
+        std::fprintf(stderr, "[parity] prompt %lld: %lld rounds, identical outputs\n",
+                     static_cast<long long>(e["prompt"].get<int64_t>()), static_cast<long long>(o.prompt_rounds));
+        continue;
+      }
+      for (const json& d : e["differences"])
+        std::fprintf(stderr, "[parity] prompt %lld: MISMATCH, round %lld differs from round 0 at token %lld\n",
+                     static_cast<long long>(e["prompt"].get<int64_t>()),
+                     static_cast<long long>(d["round"].get<int64_t>()),
+                     static_cast<long long>(d["first_difference"].get<int64_t>()));
+    }
+  const PrefixStats& ps = engine.prefix_cache().stats();
+  int64_t failed = 0;
+  for (const Generation& gen : all) failed += !gen.ok;
+  std::fprintf(stderr,
+               "[prefix] %s | lookups %lld | hits %lld | misses %lld | refusals %lld | inserts %lld | evictions %lld\n",
+               engine.prefix_cache().enabled() ? "on" : "off", static_cast<long long>(ps.lookups),
+               static_cast<long long>(ps.hits), static_cast<long long>(ps.misses), static_cast<long long>(ps.refusals),
+               static_cast<long long>(ps.inserts), static_cast<long long>(ps.evictions));
+  std::fprintf(stderr,
+               "[engine] wall %.1f ms | %lld forwards (%.2f rows avg, %lld max) | prefill %lld tok | decode %lld tok, "
+               "%.1f tok/s over all sessions | peak sessions %lld | K/V peak %.1f KiB | peak rss %.1f MiB\n",
+               total.wall_ms, static_cast<long long>(total.forwards),
+               total.forwards ? static_cast<double>(total.rows) / total.forwards : 0.0,
+               static_cast<long long>(total.max_rows), static_cast<long long>(total.prefill_tokens),
+               static_cast<long long>(total.decode_tokens), total.decode_tok_s(),
+               static_cast<long long>(total.peak_sessions), total.peak_kv_bytes / 1024.0, peak_rss_mib());
+  json e = engine_json(total);
+  e["pte"] = o.pte;
+  e["cache_kind"] = o.cache_kind;
+  e["cache_report"] = engine.describe();
+  e["logits_mode"] = logits_mode_name(info.logits_mode);
+  e["shared_decode_forwards"] = engine.full_logits();
+  e["chunk"] = chunk;
+  e["max_session_tokens"] = max_session;
+  e["max_decode_sequences"] = o.max_decode_sequences;
+  e["prompts"] = np;
+  e["prompt_rounds"] = o.prompt_rounds;
+  e["generations"] = all.size();
+  e["failed"] = failed;
+  e["rounds"] = rounds;
+  e["parity"] = parity;
+  e["prefix_cache"] = {{"entries", o.prefix_cache_entries}, {"lookups", ps.lookups}, {"hits", ps.hits},
+                       {"misses", ps.misses}, {"refusals", ps.refusals}, {"inserts", ps.inserts},
+                       {"evictions", ps.evictions}};
+  e["load_ms"] = load_ms;
+  e["threads"] = threads;
+  e["peak_rss_mib"] = peak_rss_mib();
+  emit(stats_file.get(), "ENGINE_JSON", e);
+  if (failed > 0) {
+    std::fprintf(stderr, "error: %lld of %zu generations failed\n", static_cast<long long>(failed), all.size());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  return cli::run_main(argc, argv, parse_args, print_help, run, cli::InvalidArgument::error);
+}

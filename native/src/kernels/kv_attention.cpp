@@ -1,0 +1,254 @@
+#include "kernels/kv_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <executorch/runtime/core/exec_aten/util/tensor_util.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+namespace llmrt::kv {
+
+using executorch::aten::BFloat16;
+using executorch::aten::Half;
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+
+const char* dtype_name(int code) {
+  switch (code) {
+    case kHalf: return "Half";
+    case kFloat: return "Float";
+    case kBFloat16: return "BFloat16";
+    default: return "?";
+  }
+}
+
+int element_size(int code) {
+  switch (code) {
+    case kHalf:
+    case kBFloat16: return 2;
+    case kFloat: return 4;
+    default: return 0;
+  }
+}
+
+int make_runs(int64_t start, int64_t count, int64_t ring, Run* runs) {
+  if (count <= 0) return 0;
+  if (ring == 0) {
+    runs[0] = {start, count};
+    return 1;
+  }
+  int64_t slot = start % ring;
+  int64_t first = std::min(count, ring - slot);
+  runs[0] = {slot, first};
+  if (count > first) {
+    runs[1] = {0, count - first};
+    return 2;
+  }
+  return 1;
+}
+
+Plan plan_step(int layer, int64_t pos, int64_t T, int64_t window, int64_t ring) {
+  Plan p;
+  p.layer = layer;
+  p.pos = pos;
+  p.T = T;
+  p.end = pos + T;
+  p.base = ring == 0 ? 0 : std::max<int64_t>(0, pos - window + 1);
+  p.n_write = make_runs(pos, T, ring, p.write);
+  p.n_read = make_runs(p.base, p.end - p.base, ring, p.read);
+  return p;
+}
+
+namespace {
+
+inline float load(const void* p, ScalarType t, int64_t i) {
+  switch (t) {
+    case ScalarType::Float: return static_cast<const float*>(p)[i];
+    case ScalarType::Half: return static_cast<float>(static_cast<const Half*>(p)[i]);
+    case ScalarType::BFloat16: return static_cast<float>(static_cast<const BFloat16*>(p)[i]);
+    default: return 0.f;
+  }
+}
+
+inline void store(void* p, int code, int64_t i, float x) {
+  switch (code) {
+    case kFloat: static_cast<float*>(p)[i] = x; break;
+    case kHalf: static_cast<Half*>(p)[i] = Half(x); break;
+    case kBFloat16: static_cast<BFloat16*>(p)[i] = BFloat16(x); break;
+    default: break;
+  }
+}
+
+// Rows [r0, r1) of the segment's (head, query) grid; S is the storage type. Ttot is the step's row
+// count (q and out are [1,Hq,Ttot,*]).
+template <typename S>
+void attend_rows(const Segment& g, const Tensor& q, int64_t Ttot, float scale, void* out, int out_code,
+                 int64_t r0, int64_t r1) {
+  const SlotView& s = g.view;
+  const int64_t T = g.T, D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), group = Hq / s.kv_heads;
+  const int64_t kstride = s.kv_heads * D, vstride = s.kv_heads * Dv;
+  const S* K = reinterpret_cast<const S*>(s.k);
+  const S* V = reinterpret_cast<const S*>(s.v);
+  const void* qd = q.const_data_ptr();
+  const ScalarType qt = q.scalar_type();
+  std::vector<float> qrow(static_cast<size_t>(D)), scores(static_cast<size_t>(g.span())),
+      acc(static_cast<size_t>(Dv));
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t h = r / T, i = r % T, kh = h / group, qpos = g.pos + i;
+    const int64_t row = h * Ttot + g.row0 + i;  // in q and out
+    int64_t lo = g.base;  // visible logical keys [lo, qpos]
+    if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
+    for (int64_t d = 0; d < D; ++d) qrow[d] = load(qd, qt, row * D + d) * scale;
+    const float* qr = qrow.data();
+    float mx = -INFINITY;
+    for (int64_t key = lo; key <= qpos; ++key) {
+      const S* kr = K + g.read[key - g.base] * kstride + kh * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kr[d]);
+      scores[key - lo] = dot;
+      mx = std::max(mx, dot);
+    }
+    float sum = 0.f;
+    float* a = acc.data();
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t key = lo; key <= qpos; ++key) {
+      const float e = std::exp(scores[key - lo] - mx);
+      sum += e;
+      const S* vr = V + g.read[key - g.base] * vstride + kh * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) a[d] += e * static_cast<float>(vr[d]);
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < Dv; ++d) store(out, out_code, row * Dv + d, a[d] * inv);
+  }
+}
+
+bool float_like(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
+}
+
+}  // namespace
+
+int64_t position_at(const Tensor& position, int64_t i) {
+  return position.scalar_type() == ScalarType::Long ? position.const_data_ptr<int64_t>()[i]
+                                                    : position.const_data_ptr<int32_t>()[i];
+}
+
+bool check_step_args(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& position,
+                     ScalarType out_dtype, const Tensor& out, StepArgs* a, std::string* why, bool consecutive) {
+  auto fail = [&](const std::string& m) {
+    *why = m;
+    return false;
+  };
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4) return fail("q, k, v must be 4-d [B,H,T,D]");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Dv = v.size(3);
+  if (B != 1) return fail("batch must be 1, got " + std::to_string(B));
+  if (k.size(0) != 1 || v.size(0) != 1 || k.size(2) != T || v.size(2) != T || k.size(3) != D ||
+      v.size(1) != Hkv || Hkv < 1 || Hq % Hkv != 0)
+    return fail("inconsistent q/k/v shapes (or Hq % Hkv != 0)");
+  if (!float_like(q.scalar_type()) || !float_like(k.scalar_type()) || !float_like(v.scalar_type()))
+    return fail("q, k, v must be Float, Half or BFloat16");
+  if (element_size(static_cast<int>(out_dtype)) == 0) return fail("out_dtype must be Float, Half or BFloat16");
+  if (out.scalar_type() != out_dtype) return fail("out tensor dtype differs from out_dtype");
+  if (position.numel() != T ||
+      (position.scalar_type() != ScalarType::Long && position.scalar_type() != ScalarType::Int))
+    return fail("position must hold T Long/Int entries");
+  const int64_t pos = position_at(position, 0);
+  if (pos < 0) return fail("negative position " + std::to_string(pos));
+  if (consecutive)
+    for (int64_t i = 1; i < T; ++i)
+      if (position_at(position, i) != pos + i) return fail("positions must be consecutive");
+  *a = {Hq, T, D, Hkv, Dv, pos};
+  return true;
+}
+
+bool resize_out(Tensor& out, const StepArgs& a) {
+  using executorch::aten::SizesType;
+  SizesType sizes[4] = {1, static_cast<SizesType>(a.Hq), static_cast<SizesType>(a.T),
+                        static_cast<SizesType>(a.Dv)};
+  return executorch::runtime::resize_tensor(out, {sizes, 4}) == executorch::runtime::Error::Ok;
+}
+
+void plan_slots(const Plan& p, std::vector<int64_t>* write, std::vector<int64_t>* read) {
+  write->clear();
+  read->clear();
+  for (int r = 0; r < p.n_write; ++r)
+    for (int64_t c = 0; c < p.write[r].count; ++c) write->push_back(p.write[r].slot + c);
+  for (int r = 0; r < p.n_read; ++r)
+    for (int64_t c = 0; c < p.read[r].count; ++c) read->push_back(p.read[r].slot + c);
+}
+
+void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
+  const SlotView& s = g.view;
+  const int64_t Ttot = k.size(2), Hkv = s.kv_heads, D = s.head_dim, Dv = s.v_dim;
+  const int es = element_size(s.dtype);
+  const bool k_same = static_cast<int>(k.scalar_type()) == s.dtype;
+  const bool v_same = static_cast<int>(v.scalar_type()) == s.dtype;
+  const auto* kd = static_cast<const uint8_t*>(k.const_data_ptr());
+  const auto* vd = static_cast<const uint8_t*>(v.const_data_ptr());
+  for (int64_t t = 0; t < g.T; ++t) {
+    const int64_t slot = g.write[t], row = g.row0 + t;
+    uint8_t* ks = s.k + slot * Hkv * D * es;
+    uint8_t* vs = s.v + slot * Hkv * Dv * es;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      // input [1,Hkv,Ttot,D] -> storage [slot][Hkv][D]
+      const int64_t ki = (h * Ttot + row) * D, vi = (h * Ttot + row) * Dv;
+      if (k_same) {
+        std::copy_n(kd + ki * es, D * es, ks + h * D * es);
+      } else {
+        for (int64_t d = 0; d < D; ++d) store(ks, s.dtype, h * D + d, load(kd, k.scalar_type(), ki + d));
+      }
+      if (v_same) {
+        std::copy_n(vd + vi * es, Dv * es, vs + h * Dv * es);
+      } else {
+        for (int64_t d = 0; d < Dv; ++d) store(vs, s.dtype, h * Dv + d, load(vd, v.scalar_type(), vi + d));
+      }
+    }
+  }
+}
+
+void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
+  const int64_t Hq = q.size(1), Ttot = q.size(2);
+  // segment g owns work rows [first[g], first[g+1]) of the flattened (segment, head, query) grid
+  std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
+  int64_t widest = 1;
+  for (int g = 0; g < n; ++g) {
+    first[g + 1] = first[g] + Hq * segs[g].T;
+    widest = std::max(widest, segs[g].span() * (segs[g].view.head_dim + segs[g].view.v_dim));
+  }
+  // enough keys x dims per task that the threadpool's dispatch is paid for
+  const int64_t grain = std::max<int64_t>(1, 32768 / widest);
+  auto body = [&](int64_t r0, int64_t r1) {
+    int g = static_cast<int>(std::upper_bound(first.begin(), first.end(), r0) - first.begin()) - 1;
+    for (; g < n && first[g] < r1; ++g) {
+      const int64_t a = std::max(r0, first[g]) - first[g], b = std::min(r1, first[g + 1]) - first[g];
+      const Segment& s = segs[g];
+      switch (s.view.dtype) {
+        case kFloat: attend_rows<float>(s, q, Ttot, scale, out, out_code, a, b); break;
+        case kHalf: attend_rows<Half>(s, q, Ttot, scale, out, out_code, a, b); break;
+        case kBFloat16: attend_rows<BFloat16>(s, q, Ttot, scale, out, out_code, a, b); break;
+        default: break;
+      }
+    }
+  };
+  executorch::extension::parallel_for(0, first[n], grain, body);
+}
+
+void write_step(const SlotView& s, const Plan& p, const Tensor& k, const Tensor& v) {
+  std::vector<int64_t> write, read;
+  plan_slots(p, &write, &read);
+  Segment g{s, p.pos, p.T, 0, p.base, write.data(), read.data()};
+  write_segment(g, k, v);
+}
+
+void attend(const SlotView& s, const Plan& p, const Tensor& q, float scale, void* out, int out_code) {
+  std::vector<int64_t> write, read;
+  plan_slots(p, &write, &read);
+  Segment g{s, p.pos, p.T, 0, p.base, write.data(), read.data()};
+  attend_segments(&g, 1, q, scale, out, out_code);
+}
+
+}  // namespace llmrt::kv

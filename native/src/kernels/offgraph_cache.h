@@ -1,0 +1,163 @@
+// The off-graph KV cache (runtime-owned) and the process-global binding the
+// llmpipe::update_and_attend.out kernel reads it through.
+//
+// Program side: an `offgraph` .pte has no cache. Each attention layer calls
+//   llmpipe::update_and_attend.out(q, k, v, position, cache_id, scale, out_dtype, out)
+// which writes this step's K/V at logical positions [pos, pos+T) of layer cache
+// `cache_id` and attends over the cached history.
+//
+// Binding (how the kernel finds its cache): ONE cache set is bound per process
+// at a time (bind_cache / bound_cache, an atomic pointer). `cache_id` is the
+// index of a layer cache in the bound set. Whoever executes the program (the
+// runner, or Python verify through the C API in offgraph_capi.cpp) binds its
+// cache before `execute` and commits the step after it succeeded:
+//   cache.check_step(pos, T)   // every layer can take the step (pure)
+//   bind_cache(&cache); method.execute(...); cache.commit(pos, T);
+// With nothing bound the kernel fails the execute with a clear error (also kept
+// in last_error()), never a crash. Executes are not concurrent within a process
+// (the binding is global, not per thread), which is how the runners work.
+//
+// Batched steps (the batched runner, batched_engine.h): one forward may carry rows of several
+// sessions. The caller binds a BatchStep instead (bind_batch): row group g is the next T_g rows of
+// the step, positions [pos_g, pos_g + T_g) of session cache g (a StepKv). Binding one kind of
+// target clears the other; the kernel serves whichever is bound.
+//
+// Cache policy (one logical length shared by all layers):
+//   - plan(layer, pos, T) is pure; commit sets length = max(length, pos + T).
+//   - refused: pos > length (a gap), pos + T > capacity, on a ring T > max_write.
+//   - flat layer: writes [pos, pos+T), reads [0, end); its pool starts at the
+//     initial capacity and doubles on demand up to capacity (cells never move).
+//   - ring layer (window w): w + max_write - 1 slots (capped at capacity),
+//     allocated up front, slot = pos % ring; reads [max(0, pos-w+1), end)
+//     oldest to newest; writes and reads are at most two runs each.
+//   - rewind(target): target <= length and not below what the rings still hold.
+// Storage: [slot][kv_head][dim], dtype Float, Half or BFloat16 (writes cast).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kernels/kv_attention.h"
+
+namespace llmrt::offgraph {
+
+using kv::dtype_name;
+using kv::element_size;
+using kv::kBFloat16;
+using kv::kFloat;
+using kv::kHalf;
+using kv::Plan;
+using kv::Run;
+
+struct LayerSpec {
+  int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
+  int64_t window = 0;  // 0 = flat (full attention)
+};
+
+class OffgraphKvCache {
+ public:
+  // Throws std::invalid_argument on a bad geometry or non-positive sizes.
+  OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_write,
+                  int64_t initial_capacity, int dtype_code);
+
+  int n_layers() const { return static_cast<int>(layers_.size()); }
+  const LayerSpec& spec(int l) const { return layers_[l].spec; }
+  int64_t ring_slots(int l) const { return layers_[l].ring; }  // 0 = flat
+  int64_t allocated(int l) const { return layers_[l].allocated; }
+  int64_t capacity() const { return capacity_; }
+  int64_t max_write() const { return max_write_; }
+  int64_t initial_capacity() const { return initial_; }
+  int dtype() const { return dtype_; }
+  int64_t length() const { return length_; }
+
+  // Pure. False (with a reason) if the step cannot be done in this layer.
+  bool plan(int layer, int64_t pos, int64_t T, Plan* out, std::string* why) const;
+  // plan() for every layer.
+  bool check_step(int64_t pos, int64_t T, std::string* why) const;
+  void commit(int64_t pos, int64_t T);
+
+  // Grows a flat pool to hold [0, end) (doubling, up to capacity).
+  void ensure(int layer, int64_t end);
+  // Storage of physical slot `slot`: kv_heads * dim elements of dtype().
+  uint8_t* k_slot(int layer, int64_t slot);
+  uint8_t* v_slot(int layer, int64_t slot);
+  // The layer's storage for the attention core (valid until the next ensure()).
+  kv::SlotView view(int layer);
+
+  int64_t rewind_floor() const;
+  bool can_rewind(int64_t target, std::string* why) const;
+  bool rewind(int64_t target, std::string* why);
+  void reset() { length_ = 0; }
+
+  int64_t bytes() const;
+  // "[cache] off-graph seq | capacity=C initial=I kv_dtype=D\nN layers: F flat + R ring(window W)"
+  std::string describe() const;
+
+ private:
+  struct Layer {
+    LayerSpec spec;
+    int64_t ring = 0;       // slots of a ring layer, 0 = flat
+    int64_t allocated = 0;  // slots allocated
+    std::vector<uint8_t> k, v;
+  };
+  std::vector<Layer> layers_;
+  int64_t capacity_, max_write_, initial_;
+  int dtype_, esize_;
+  int64_t length_ = 0;
+};
+
+// What the kernel needs from one session of a batched step: its layers and, per layer, where a
+// step's entries go and where its keys are (explicit slot lists over one storage view).
+struct StepSlots {
+  kv::SlotView view;
+  int64_t base = 0;                   // logical position of read[0]
+  std::vector<int64_t> write, read;   // T slots; pos + T - base slots, oldest first
+};
+
+class StepKv {
+ public:
+  virtual ~StepKv() = default;
+  virtual int n_layers() const = 0;
+  virtual const LayerSpec& spec(int layer) const = 0;
+  // The slots of a step at [pos, pos + T) in `layer`. The owner reserved the storage before the
+  // execute, so this never allocates (other sessions' views stay valid). False + why if it cannot.
+  virtual bool step_slots(int layer, int64_t pos, int64_t T, StepSlots* out, std::string* why) = 0;
+};
+
+struct RowGroup {
+  StepKv* kv = nullptr;
+  int64_t pos = 0, T = 0;
+};
+
+struct BatchStep {
+  std::vector<RowGroup> groups;  // in row order; a session appears in one group at most
+  int64_t rows() const {
+    int64_t n = 0;
+    for (const RowGroup& g : groups) n += g.T;
+    return n;
+  }
+};
+
+// The process-global binding: one cache (single-session runner, Python verify) or one batched step.
+void bind_cache(OffgraphKvCache* cache);
+OffgraphKvCache* bound_cache();
+void bind_batch(const BatchStep* step);
+const BatchStep* bound_batch();
+void set_last_error(const std::string& msg);
+std::string last_error();
+
+// Lowest nonzero length a ring of `ring` slots and window `window`, filled up to `length`, can be
+// rewound to: a step at target t reads [max(0, t - w + 1), t), which the ring must still hold.
+inline int64_t ring_rewind_floor(int64_t length, int64_t ring, int64_t window) {
+  const int64_t oldest = length > ring ? length - ring : 0;  // oldest position still held
+  return oldest > 0 ? oldest + window - 1 : 0;
+}
+
+// Parses "512,0" into a pattern (layer l gets pattern[l % size], 0 = flat).
+std::vector<int64_t> parse_windows(const std::string& text);  // throws std::invalid_argument
+// "fp32"/"float32"/"float", "fp16"/"half"/"float16", "bf16"/"bfloat16" -> code; -1 if unknown.
+int parse_dtype(const std::string& text);
+
+}  // namespace llmrt::offgraph

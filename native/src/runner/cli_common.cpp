@@ -1,0 +1,167 @@
+#include "runner/cli_common.h"
+
+#include <cstdio>
+#include <cstring>
+
+#include <executorch/runtime/platform/platform.h>
+#include <executorch/runtime/platform/runtime.h>
+
+#include "kernels/offgraph_cache.h"
+
+// The wheel ships the thread pool library but not its header; these two
+// members are all the runners need (for --threads).
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  size_t get_thread_count() const;
+  bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
+namespace llmrt::cli {
+
+int64_t parse_int(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    long long x = std::stoll(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    return x;
+  } catch (const std::exception&) {
+    throw UsageError(flag + " expects an integer, got '" + v + "'");
+  }
+}
+
+double parse_double(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    double x = std::stod(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    return x;
+  } catch (const std::exception&) {
+    throw UsageError(flag + " expects a number, got '" + v + "'");
+  }
+}
+
+bool ArgReader::next() {
+  if (++i_ >= argc_) return false;
+  arg_ = name_ = argv_[i_];
+  inline_value_.clear();
+  has_inline_ = false;
+  if (arg_.rfind("--", 0) == 0) {
+    size_t eq = arg_.find('=');
+    if (eq != std::string::npos) {
+      inline_value_ = arg_.substr(eq + 1);
+      name_ = arg_.substr(0, eq);
+      has_inline_ = true;
+    }
+  }
+  return true;
+}
+
+std::string ArgReader::value() {
+  if (has_inline_) return inline_value_;
+  if (i_ + 1 >= argc_) throw UsageError(name_ + " needs a value");
+  return argv_[++i_];
+}
+
+void ArgReader::no_value() const {
+  if (has_inline_) throw UsageError(name_ + " takes no value");
+}
+
+bool CommonOptions::parse(ArgReader& args) {
+  const std::string& a = args.name();
+  if (a == "--pte") pte = args.value();
+  else if (a == "--tokenizer") tokenizer = args.value();
+  else if (a == "--chat") chat = args.value();
+  else if (a == "--stats-json") stats_json = args.value();
+  else if (a == "--max-new-tokens") max_new_tokens = parse_int(a, args.value());
+  else if (a == "--temperature") temperature = parse_double(a, args.value());
+  else if (a == "--top-p") top_p = parse_double(a, args.value());
+  else if (a == "--top-k") top_k = parse_int(a, args.value());
+  else if (a == "--seed") seed = static_cast<uint64_t>(parse_int(a, args.value()));
+  else if (a == "--threads") threads = parse_int(a, args.value());
+  else if (a == "--kv-initial-capacity") {
+    kv_initial_capacity = parse_int(a, args.value());
+    kv_flags = true;
+  } else if (a == "--kv-storage-dtype") {
+    kv_storage_dtype = args.value();
+    kv_flags = true;
+  } else if (a == "--ignore-eos") { args.no_value(); ignore_eos = true; }
+  else if (a == "--quiet") { args.no_value(); quiet = true; }
+  else return false;
+  return true;
+}
+
+void CommonOptions::check_max_new_tokens() const {
+  if (max_new_tokens < 0) throw UsageError("--max-new-tokens must be >= 0");
+}
+
+void CommonOptions::check_sampling() const {
+  if (temperature < 0) throw UsageError("--temperature must be >= 0");
+  if (!(top_p > 0.0 && top_p <= 1.0)) throw UsageError("--top-p must be in (0, 1]");
+  if (top_k < 0) throw UsageError("--top-k must be >= 0");
+}
+
+void CommonOptions::check_threads() const {
+  if (threads < 0) throw UsageError("--threads must be >= 0");
+}
+
+void CommonOptions::check_kv_initial_capacity() const {
+  if (kv_initial_capacity < 1)
+    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(kv_initial_capacity));
+}
+
+void CommonOptions::check_kv_storage_dtype() const {
+  if (offgraph::parse_dtype(kv_storage_dtype) < 0)
+    throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + kv_storage_dtype + "'");
+}
+
+int CommonOptions::kv_dtype(int64_t activation_dtype) const {
+  return kv_storage_dtype.empty() ? static_cast<int>(activation_dtype) : offgraph::parse_dtype(kv_storage_dtype);
+}
+
+void check_prompt_ids(const std::vector<int64_t>& ids, int64_t vocab_size) {
+  for (int64_t id : ids)
+    if (id < 0 || id >= vocab_size)
+      throw UsageError("prompt id " + std::to_string(id) + " is outside the vocabulary [0, " +
+                       std::to_string(vocab_size) + ")");
+}
+
+int set_threads(int64_t n) {
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  if (pool && n > 0) pool->_unsafe_reset_threadpool(static_cast<uint32_t>(n));
+  return thread_count();
+}
+
+int thread_count() {
+  auto* pool = executorch::extension::threadpool::get_threadpool();
+  return pool ? static_cast<int>(pool->get_thread_count()) : 0;
+}
+
+namespace {
+
+// ExecuTorch logs Info lines to stderr; keep only errors.
+void pal_log(et_timestamp_t, et_pal_log_level_t level, const char* filename, const char*, size_t line,
+             const char* message, size_t length) {
+  if (level != kError && level != kFatal) return;
+  while (length > 0 && (message[length - 1] == '\n' || message[length - 1] == '\r')) --length;
+  const char* base = filename ? std::strrchr(filename, '/') : nullptr;
+  std::fprintf(stderr, "[executorch %c %s:%zu] %.*s\n", static_cast<char>(level),
+               base ? base + 1 : (filename ? filename : "?"), line, static_cast<int>(length), message);
+}
+
+}  // namespace
+
+void init_runtime() {
+  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(pal_log, __FILE__));
+  executorch::runtime::runtime_init();
+}
+
+int exit_with(const std::exception& e, int code) {
+  if (code == 1) std::fflush(stdout);
+  std::fprintf(stderr, "error: %s\n", e.what());
+  return code;
+}
+
+}  // namespace llmrt::cli

@@ -1,0 +1,131 @@
+// Shared by the command-line runners (llm_runner, llm_batched_runner): main() with its exit codes,
+// the argv reader and the flags both runners take, number parsing, timing and the thread pool.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace llmrt::cli {
+
+using Clock = std::chrono::steady_clock;
+
+inline double ms_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
+
+// Bad usage: the runners exit 2 with the message.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+int64_t parse_int(const std::string& flag, const std::string& v);
+double parse_double(const std::string& flag, const std::string& v);
+
+// argv one argument at a time. An argument starting with "--" is a flag, "--name value" or
+// "--name=value"; any other argument is left whole (a prompt, or "-h").
+class ArgReader {
+ public:
+  ArgReader(int argc, char** argv) : argc_(argc), argv_(argv) {}
+
+  // Moves to the next argument; false after the last one.
+  bool next();
+  // The argument as given.
+  const std::string& arg() const { return arg_; }
+  // The flag's name: the argument up to its '='.
+  const std::string& name() const { return name_; }
+  // The flag's value: what follows '=', else the next argument.
+  std::string value();
+  // For a flag that takes no value: refuses "--flag=value".
+  void no_value() const;
+
+ private:
+  int argc_;
+  char** argv_;
+  int i_ = 0;
+  std::string arg_, name_, inline_value_;
+  bool has_inline_ = false;
+};
+
+// The flags both runners take: the same names, defaults and messages. Each runner's Options derives
+// from it and reads its own flags after parse() declined them.
+struct CommonOptions {
+  std::string pte, tokenizer, chat = "0", stats_json;
+  int64_t max_new_tokens = 50;
+  double temperature = 0.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 42;
+  bool ignore_eos = false, quiet = false;
+  int64_t threads = 0;
+  int64_t kv_initial_capacity = 512;
+  std::string kv_storage_dtype;  // empty = the program's activation dtype
+  bool kv_flags = false;         // a --kv-* flag other than --kv-max-capacity given
+
+  // Reads the current flag if it is one of these (true); false leaves it to the runner.
+  bool parse(ArgReader& args);
+
+  // The range checks, one per flag (UsageError), so that each runner keeps the order in which it
+  // reports them.
+  void check_max_new_tokens() const;
+  void check_sampling() const;  // --temperature, --top-p, --top-k
+  void check_threads() const;
+  void check_kv_initial_capacity() const;
+  void check_kv_storage_dtype() const;  // also refuses an empty value
+
+  // The K/V storage dtype code: --kv-storage-dtype, else the program's activation dtype.
+  int kv_dtype(int64_t activation_dtype) const;
+};
+
+// Refuses a prompt id outside [0, vocab_size) (UsageError).
+void check_prompt_ids(const std::vector<int64_t>& ids, int64_t vocab_size);
+
+// --threads N (0 = the runtime default); returns the pool's thread count.
+int set_threads(int64_t n);
+// The thread pool's size (0 without a pool).
+int thread_count();
+
+// Registers the PAL (ExecuTorch logs only its errors) and initializes the runtime.
+void init_runtime();
+
+// How a runner's exit code reads a std::invalid_argument thrown by run(): llm_runner as bad usage
+// (an unknown --chat, cache sizes the off-graph cache refuses: exit 2), llm_batched_runner as an
+// error (exit 1; it checks --chat while parsing).
+enum class InvalidArgument { usage, error };
+
+// Prints "error: <what>" to stderr and returns `code`; for an error (1) stdout is flushed first, since
+// the generated text may have been streaming there.
+int exit_with(const std::exception& e, int code);
+
+// main() of a runner: the runtime, then parse_args (UsageError: exit 2; --help sets *help: print_help,
+// exit 0) and run, whose UsageError exits 2 and any other exception 1.
+template <class Options>
+int run_main(int argc, char** argv, Options (*parse_args)(int, char**, bool*), void (*print_help)(),
+             int (*run)(const Options&), InvalidArgument invalid_argument) {
+  init_runtime();
+  bool help = false;
+  Options o;
+  try {
+    o = parse_args(argc, argv, &help);
+  } catch (const UsageError& e) {
+    return exit_with(e, 2);
+  }
+  if (help) {
+    print_help();
+    return 0;
+  }
+  try {
+    return run(o);
+  } catch (const UsageError& e) {
+    return exit_with(e, 2);
+  } catch (const std::invalid_argument& e) {
+    return exit_with(e, invalid_argument == InvalidArgument::usage ? 2 : 1);
+  } catch (const std::exception& e) {
+    return exit_with(e, 1);
+  }
+}
+
+}  // namespace llmrt::cli

@@ -1,0 +1,139 @@
+// Who owns the KV cache.
+//
+// In-graph programs keep their cache inside the .pte as mutable buffers
+// (InGraphCache): the runner only tracks the logical length so that turns can be
+// admitted, rewound (/undo) and reset. Off-graph programs (`cache.mode=offgraph`,
+// selected with --kv-max-capacity) get an OffgraphCacheOwner: it holds the
+// storage (offgraph_cache.h) and bind() makes it the process's bound cache,
+// which the llmpipe::update_and_attend.out kernel reads.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/offgraph_cache.h"
+
+namespace llmrt {
+
+class KvCacheOwner {
+ public:
+  virtual ~KvCacheOwner() = default;
+  virtual const char* kind() const = 0;
+  // Positions the cache can hold.
+  virtual int64_t capacity() const = 0;
+  // Positions currently holding valid entries.
+  virtual int64_t length() const = 0;
+  // Called before a forward that writes positions [pos, pos + n). Returns false
+  // (with a reason) if the write cannot be done.
+  virtual bool bind(int64_t pos, int64_t n, std::string* why) = 0;
+  // Called after that forward succeeded.
+  virtual void commit(int64_t pos, int64_t n) = 0;
+  // Drop everything at or after `pos`. Returns false (with a reason) if not possible.
+  virtual bool rewind(int64_t pos, std::string* why) = 0;
+  virtual void reset() = 0;
+  // One line for the report.
+  virtual std::string describe() const = 0;
+  // Bytes of K/V storage the runner holds (-1: inside the program, not the runner's to count).
+  virtual int64_t bytes() const { return -1; }
+};
+
+// The program owns the cache (mutable buffers); entries past the current
+// position are masked by the program, so a rewind is bookkeeping, except that a
+// custom-mode program's ring layers (constant methods get_ring_windows /
+// get_ring_slots) only hold their last `slots` positions: a rewind must not go
+// below what they still hold (the same floor as the off-graph rings).
+class InGraphCache final : public KvCacheOwner {
+ public:
+  struct Ring {
+    int64_t window = 0, slots = 0;
+  };
+  explicit InGraphCache(int64_t capacity, std::vector<Ring> rings = {})
+      : capacity_(capacity), rings_(std::move(rings)) {}
+  const char* kind() const override { return "in-graph"; }
+  int64_t capacity() const override { return capacity_; }
+  int64_t length() const override { return length_; }
+  bool bind(int64_t pos, int64_t n, std::string* why) override {
+    if (pos < 0 || pos > length_ || pos + n > capacity_) {
+      if (why)
+        *why = "write of positions [" + std::to_string(pos) + ", " + std::to_string(pos + n) +
+               ") does not fit the cache (length " + std::to_string(length_) + ", capacity " +
+               std::to_string(capacity_) + ")";
+      return false;
+    }
+    return true;
+  }
+  void commit(int64_t pos, int64_t n) override { length_ = pos + n; }
+  int64_t rewind_floor() const {
+    int64_t floor = 0;
+    for (const Ring& r : rings_) {
+      const int64_t oldest = std::max<int64_t>(0, length_ - r.slots);
+      if (oldest > 0) floor = std::max(floor, oldest + r.window - 1);
+    }
+    return floor;
+  }
+  bool rewind(int64_t pos, std::string* why) override {
+    if (pos < 0 || pos > length_) {
+      if (why)
+        *why = "cannot rewind to " + std::to_string(pos) + " (length " + std::to_string(length_) +
+               ")";
+      return false;
+    }
+    if (pos > 0 && pos < rewind_floor()) {
+      if (why)
+        *why = "cannot rewind to " + std::to_string(pos) +
+               ": the program's ring caches no longer hold its window (lowest safe target " +
+               std::to_string(rewind_floor()) + ", or 0 to reset)";
+      return false;
+    }
+    length_ = pos;
+    return true;
+  }
+  void reset() override { length_ = 0; }
+  std::string describe() const override {
+    std::string s = "[cache] in-graph (program-owned) | capacity=" + std::to_string(capacity_);
+    if (!rings_.empty())
+      s += " | " + std::to_string(rings_.size()) + " ring layers (window " +
+           std::to_string(rings_[0].window) + ", " + std::to_string(rings_[0].slots) + " slots)";
+    return s;
+  }
+
+ private:
+  int64_t capacity_;
+  std::vector<Ring> rings_;
+  int64_t length_ = 0;
+};
+
+// The runtime owns the cache; the program's attention layers reach it through
+// the global binding (see offgraph_cache.h).
+class OffgraphCacheOwner final : public KvCacheOwner {
+ public:
+  OffgraphCacheOwner(std::vector<offgraph::LayerSpec> specs, int64_t capacity, int64_t max_write,
+                     int64_t initial, int dtype_code)
+      : cache_(std::move(specs), capacity, max_write, initial, dtype_code) {}
+  ~OffgraphCacheOwner() override {
+    if (offgraph::bound_cache() == &cache_) offgraph::bind_cache(nullptr);
+  }
+  const char* kind() const override { return "off-graph"; }
+  int64_t capacity() const override { return cache_.capacity(); }
+  int64_t length() const override { return cache_.length(); }
+  bool bind(int64_t pos, int64_t n, std::string* why) override {
+    if (!cache_.check_step(pos, n, why)) return false;
+    offgraph::set_last_error("");
+    offgraph::bind_cache(&cache_);
+    return true;
+  }
+  void commit(int64_t pos, int64_t n) override { cache_.commit(pos, n); }
+  bool rewind(int64_t pos, std::string* why) override { return cache_.rewind(pos, why); }
+  void reset() override { cache_.reset(); }
+  std::string describe() const override { return cache_.describe(); }
+  int64_t bytes() const override { return cache_.bytes(); }
+  const offgraph::OffgraphKvCache& cache() const { return cache_; }
+
+ private:
+  offgraph::OffgraphKvCache cache_;
+};
+
+}  // namespace llmrt
