@@ -18,6 +18,7 @@ import psutil
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline import paths, preflight
+from pipeline.config import v
 from pipeline.errors import PipelineError, StageError
 from pipeline.exporters import EXPORTERS
 from pipeline.report.summary import print_summary
@@ -93,8 +94,7 @@ def recipe_name() -> str | None:
 def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     geometry = preflight.check(cfg)             # every config problem, before any work
     if cfg.run.until is not None:
-        until = getattr(cfg.run.until, "value", cfg.run.until)
-        stages = tuple(stages[:stages.index(until) + 1])
+        stages = tuple(stages[:stages.index(v(cfg.run.until)) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"

@@ -2,7 +2,7 @@
 the registration of our ops, and the wrapper base that switches an HF model's attention to one of our ops
 for the duration of a call.
 
-The C++ twin of `attend_gathered` is native/src/kv_attention.cpp (one core for both modes).
+The C++ twin of `attend_gathered` is native/src/kernels/kv_attention.cpp (one core for both modes).
 """
 from __future__ import annotations
 

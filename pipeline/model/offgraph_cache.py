@@ -1,5 +1,5 @@
 """The runtime-owned KV cache of an off-graph program, in Python: the reference for the C++ cache
-(native/src/offgraph_cache.h), and the cache of eager off-graph modules and of the MLX interpreter.
+(native/src/kernels/offgraph_cache.h), and the cache of eager off-graph modules and of the MLX interpreter.
 
 One logical length shared by all layers; `plan` is pure, `commit` sets length = max(length, end). Flat
 layers grow from `initial_capacity` by doubling up to `capacity` (cells never move); ring layers hold

@@ -12,7 +12,7 @@ each attention layer calls one fused op that updates it in place and attends.
 - Out: [1,Hq,T,Dv] in q's dtype; attention in fp32. No expanded K/V copies (GQA is an index).
 - To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
   buffers in the program and calls `llmpipe::cached_attention.out` in place
-  (native/src/custom_kernel.cpp, the attention core shared with the off-graph op).
+  (native/src/kernels/custom_kernel.cpp, the attention core shared with the off-graph op).
 """
 from __future__ import annotations
 
