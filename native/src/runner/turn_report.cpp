@@ -1,0 +1,81 @@
+#include "runner/turn_report.h"
+
+#include <cstdio>
+#include <fstream>
+#include <stdexcept>
+#include <string>
+
+#include "runtime/sysmem.h"
+
+namespace llmrt::runner {
+
+using json = nlohmann::json;
+
+json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, const TurnResult& r,
+                const KvCacheOwner& cache, int turn) {
+  auto rate = [](double n, double ms) { return ms > 0 ? n * 1000.0 / ms : 0.0; };
+  json j;
+  j["pte"] = o.pte;
+  j["chat"] = o.chat;
+  j["turn"] = turn;
+  j["prompt_tokens"] = r.prompt_ids.size();
+  j["generated_tokens"] = r.generated_ids.size();
+  j["prompt_ids"] = r.prompt_ids;
+  j["generated_ids"] = r.generated_ids;
+  j["text"] = r.text;
+  j["stop_reason"] = r.stop_reason;
+  j["load_ms"] = li.load_ms;
+  j["tokenizer_load_ms"] = li.tokenizer_ms;
+  j["ttft_ms"] = r.ttft_ms;
+  j["prefill_ms"] = r.prefill_ms;
+  j["prefill_tok_s"] = rate(static_cast<double>(r.prompt_ids.size()), r.prefill_ms);
+  j["decode_ms"] = r.decode_ms;
+  j["decode_steps"] = r.decode_steps;
+  j["decode_tok_s"] = rate(static_cast<double>(r.decode_steps), r.decode_ms);
+  j["sampling_ms"] = r.sampling_ms;
+  j["rss_after_load_mib"] = li.rss_load;
+  j["rss_after_prefill_mib"] = r.rss_prefill;
+  j["rss_after_decode_mib"] = r.rss_decode;
+  j["peak_rss_mib"] = peak_rss_mib();
+  j["cache_kind"] = cache.kind();
+  j["cache_length"] = cache.length();
+  j["cache_capacity"] = cache.capacity();
+  j["cache_bytes"] = cache.bytes();
+  j["cache_report"] = cache.describe();
+  j["threads"] = li.threads;
+  j["max_context_len"] = info.max_context_len;
+  j["max_seq_len"] = info.max_seq_len;
+  j["vocab_size"] = info.vocab_size;
+  j["logits_mode"] = logits_mode_name(info.logits_mode);
+  j["logits_dtype"] = info.logits_dtype;
+  j["recipe_hash"] = info.has_recipe_hash ? json(info.recipe_hash) : json(nullptr);
+  return j;
+}
+
+void report(const Options& o, const ProgramInfo& info, const LoadInfo& li, const TurnResult& r,
+            const KvCacheOwner& cache, int turn) {
+  json j = stats_json(o, info, li, r, cache, turn);
+  std::fprintf(stderr,
+               "[memory] rss after load %.1f MiB | after prefill %.1f MiB | after decode %.1f MiB | "
+               "peak %.1f MiB\n",
+               li.rss_load, r.rss_prefill, r.rss_decode, j["peak_rss_mib"].get<double>());
+  std::fprintf(stderr, "[cache] fill %lld/%lld", static_cast<long long>(cache.length()),
+               static_cast<long long>(cache.capacity()));
+  if (cache.bytes() >= 0) std::fprintf(stderr, " | K/V storage %.1f KiB", cache.bytes() / 1024.0);
+  std::fprintf(stderr, "\n");
+  std::fprintf(stderr,
+               "[stats] prompt %zu tok | generated %zu tok (%s) | load %.1f ms (tokenizer %.1f ms) | "
+               "ttft %.1f ms | prefill %.1f tok/s | decode %.1f tok/s | sampling %.2f ms\n",
+               r.prompt_ids.size(), r.generated_ids.size(), r.stop_reason.c_str(), li.load_ms,
+               li.tokenizer_ms, r.ttft_ms, j["prefill_tok_s"].get<double>(),
+               j["decode_tok_s"].get<double>(), r.sampling_ms);
+  std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace);
+  std::fprintf(stderr, "STATS_JSON: %s\n", line.c_str());
+  if (!o.stats_json.empty()) {
+    std::ofstream f(o.stats_json, turn == 0 ? std::ios::trunc : std::ios::app);
+    if (!f) throw std::runtime_error("cannot write --stats-json file '" + o.stats_json + "'");
+    f << line << "\n";
+  }
+}
+
+}  // namespace llmrt::runner

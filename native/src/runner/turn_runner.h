@@ -1,0 +1,57 @@
+// One turn of generation over a loaded program: prefill in chunks, then sample and decode until a
+// stop token, the budget or a full cache; the text streams to stdout as it is decoded.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "runner/runner_options.h"
+#include "runtime/kv_cache.h"
+#include "runtime/llm_program.h"
+#include "runtime/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace llmrt::runner {
+
+struct TurnResult {
+  std::vector<int64_t> prompt_ids, generated_ids;
+  std::string text;
+  std::string stop_reason;
+  int64_t pending = -1;  // last generated token not yet fed to the program
+  double prefill_ms = 0, ttft_ms = 0, decode_ms = 0, sampling_ms = 0;
+  int64_t decode_steps = 0;
+  double rss_prefill = 0, rss_decode = 0;
+};
+
+// Holds the sampler across turns, so an interactive session keeps one random stream.
+class Runner {
+ public:
+  Runner(const Options& o, LlmProgram& prog, KvCacheOwner& cache, const Tokenizer* tok, int64_t chunk)
+      : o_(o), prog_(prog), cache_(cache), tok_(tok),
+        sampler_(o.temperature, o.top_p, o.top_k, o.seed), chunk_(chunk) {}
+
+  void add_stop(int64_t id) { stops_.insert(id); }
+  const std::unordered_set<int64_t>& stops() const { return stops_; }
+
+  // Feeds ids in chunks of max_seq_len; returns the last logits.
+  const std::vector<float>& feed(const std::vector<int64_t>& ids);
+
+  // One untimed prefill chunk and decode step, then an empty cache again.
+  void warmup();
+
+  // One turn: prefill `ids` (pending token first), then decode.
+  TurnResult run(std::vector<int64_t> ids, int64_t pending);
+
+ private:
+  const Options& o_;
+  LlmProgram& prog_;
+  KvCacheOwner& cache_;
+  const Tokenizer* tok_;
+  Sampler sampler_;
+  std::unordered_set<int64_t> stops_;
+  int64_t chunk_;
+};
+
+}  // namespace llmrt::runner
