@@ -97,8 +97,8 @@ def _is_position(info) -> bool:
     return tuple(sizes) == () and dtype == INT64
 
 
-class PrefillDecodeModule:
-    """Callable like the wrapped eager module: (tokens [1,T], positions [T]) -> logits; keeps the KV cache."""
+class _Pair:
+    """The two programs of an exporter folder, in one runtime; the KV cache between calls is the layout's."""
 
     def __init__(self, folder: Path, runtime):
         folder = Path(folder)
@@ -110,6 +110,21 @@ class PrefillDecodeModule:
         self.folder = folder
         self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runtime)
         self.decode = _Program(folder, "decode", manifest["components"]["decode"], runtime)
+        self.cache: list[torch.Tensor] | None = None
+
+    def constant(self, name: str):
+        """What the native route's program would return from its constant method `name` (from lower.json)."""
+        return json.loads((self.folder / "lower.json").read_text())["constant_methods"][name]
+
+    def reset(self) -> None:
+        self.cache = None
+
+
+class PrefillDecodeModule(_Pair):
+    """Callable like the wrapped eager module: (tokens [1,T], positions [T]) -> logits; keeps the KV cache."""
+
+    def __init__(self, folder: Path, runtime):
+        super().__init__(folder, runtime)
         cache_in = self.decode.input_meta[self.decode.inputs["past_key_values"]]
         self.positions = [j for j, info in enumerate(cache_in) if _is_position(info)]
         pre_cache = self.prefill.input_meta[self.prefill.inputs["past_key_values"]]
@@ -118,11 +133,6 @@ class PrefillDecodeModule:
                               f"StaticCache ({len(self.positions)} layers); it is {pre_cache}")
         mask = self.decode.inputs.get("attention_mask")
         self.context = self.decode.input_meta[mask.start][0][-1] if mask else None
-        self.cache: list[torch.Tensor] | None = None
-
-    def constant(self, name: str):
-        """What the native route's program would return from its constant method `name` (from lower.json)."""
-        return json.loads((self.folder / "lower.json").read_text())["constant_methods"][name]
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start = int(positions[0])
@@ -145,20 +155,12 @@ class PrefillDecodeModule:
         return logits
 
 
-class DynamicCacheModule:
+class DynamicCacheModule(_Pair):
     """The DynamicCache layout (the exporter's mlx backend): (tokens [1,T], positions [T]) -> logits, the cache
     growing by T every call."""
 
     def __init__(self, folder: Path, runtime):
-        folder = Path(folder)
-        manifest = json.loads((folder / "export.json").read_text())
-        missing = [n for n in KNOWN_INPUTS if n not in manifest["components"]]
-        if missing:
-            raise LayoutError(f"{folder}/export.json has components {sorted(manifest['components'])}, "
-                              f"missing {missing}")
-        self.folder = folder
-        self.prefill = _Program(folder, "prefill", manifest["components"]["prefill"], runtime)
-        self.decode = _Program(folder, "decode", manifest["components"]["decode"], runtime)
+        super().__init__(folder, runtime)
         for p in (self.prefill, self.decode):
             if p.cache_type() != "DynamicCache":
                 raise LayoutError(f"this runtime runs a DynamicCache; the programs take a {p.cache_type()}")
@@ -177,12 +179,11 @@ class DynamicCacheModule:
         lowered = folder / "lower.json"
         consts = json.loads(lowered.read_text())["constant_methods"] if lowered.exists() else {}
         self.context, self.chunk = consts.get("get_max_context_len"), consts.get("get_max_seq_len")
-        self.cache: list[torch.Tensor] | None = None
         self.length = 0
 
-    def constant(self, name: str):
-        """What the native route's program would return from its constant method `name` (from lower.json)."""
-        return json.loads((self.folder / "lower.json").read_text())["constant_methods"][name]
+    def reset(self) -> None:
+        super().reset()
+        self.length = 0
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start, T = int(positions[0]), int(positions.numel())
