@@ -55,13 +55,14 @@ def build(model_dir: Path, out: Path, quantize: str, context: int, chunk: int) -
 
     from pipeline.exporters.native import export_program, lower_program
     from pipeline.model.loading import load_hf_model
-    from pipeline.stages.quantize import quantize_module
+    from pipeline.config import QuantizeConfig
+    from pipeline.model.quantization import quantize_module
 
     module = EtOpsLM(load_hf_model(model_dir), context).eval()
     if quantize != "none":
         q = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "quantize" / f"{quantize}.yaml")
         q.pop("defaults", None)
-        q.setdefault("tie_word_embeddings", True)
+        q = OmegaConf.merge(OmegaConf.structured(QuantizeConfig), q)
         with torch.no_grad():
             quantize_module(module, q)
     ep = export_program(module, chunk)

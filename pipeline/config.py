@@ -37,7 +37,7 @@ def _choices(name: str, values: list[str]) -> type[Enum]:
     return Enum(name, [(x, x) for x in values], type=str)
 
 
-LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "nvfp4"])
+LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "8da8w", "nvfp4"])
 EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
 # the stages in build order (pipeline/stages checks its modules against it): run.until's choices
 Stage = _choices("Stage", ["download", "wrap", "quantize", "export", "lower", "verify"])
@@ -102,12 +102,29 @@ class ModelConfig:
     random: RandomModelConfig = field(default_factory=RandomModelConfig)
 
 
+class QuantAlgorithm(str, Enum):
+    minmax = "minmax"   # scales from each group's min/max (torchao's affine default)
+    hqq = "hqq"         # torchao's scale-only HQQ: scales fitted to the group (ExecuTorch's LLM export default)
+
+
+@dataclass
+class ModuleOverride:
+    """Linears whose name matches `pattern` (fnmatch, e.g. '*.mlp.down_proj') take their own scheme."""
+    pattern: str = MISSING
+    scheme: LinearScheme = MISSING
+    group_size: int = 32                      # 0 = per output channel
+
+
 @dataclass
 class QuantizeConfig:
     linear: LinearScheme = LinearScheme["none"]
     linear_group_size: int = 32               # 0 = per output channel
     embedding: EmbeddingScheme = EmbeddingScheme["none"]
     embedding_group_size: int = 32            # 0 = per row
+    lm_head: Optional[LinearScheme] = None    # null: as the linears (or the embedding's weight, when re-tied)
+    lm_head_group_size: int = 0               # 0 = per output channel (used when lm_head is set)
+    overrides: List[ModuleOverride] = field(default_factory=list)  # first match wins; before `linear`
+    algorithm: QuantAlgorithm = QuantAlgorithm.minmax
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
 
 
@@ -147,6 +164,21 @@ class Thresholds:
 
 
 @dataclass
+class Gate:
+    """What verify holds a program to."""
+    # the program against the eager model with the same quantization: did export and lowering preserve it?
+    same_quant: Thresholds = field(default_factory=Thresholds)
+    # the program against the unquantized eager model: what did quantization cost?
+    vs_float: Thresholds = field(default_factory=Thresholds)
+
+
+class GateChoice(str, Enum):
+    auto = "auto"        # `dynamic` when any scheme quantizes activations at run time, else `exact`
+    exact = "exact"      # float and weight-only builds: the program computes what eager computes
+    dynamic = "dynamic"  # 8da4w / 8da8w: the backend rounds activations its own way
+
+
+@dataclass
 class RuntimeCacheConfig:
     """How verify runs an off-graph program's runtime-owned cache (runner flags; no re-export needed)."""
     kv_max_capacity: Optional[int] = None     # positions; null = export.max_context_len
@@ -171,11 +203,9 @@ class VerifyConfig:
     # true fails the gate (the default), false records the status and skips the checks
     fail_on_unsupported: bool = True
     runtime: RuntimeCacheConfig = field(default_factory=RuntimeCacheConfig)
-    # the .pte against the eager model with the same quantization: did export+lower preserve it?
-    same_quant: Thresholds = field(default_factory=lambda: Thresholds(
-        min_greedy_match=-1, max_logit_err=1e-3, min_top1=1.0, max_kld=1e-5))
-    # the .pte against the unquantized eager model: what did quantization cost?
-    vs_float: Thresholds = field(default_factory=Thresholds)
+    gate: GateChoice = GateChoice.auto        # which of the gates below applies (thresholds: conf/verify/*.yaml)
+    exact: Gate = field(default_factory=Gate)
+    dynamic: Gate = field(default_factory=Gate)
 
 
 @dataclass

@@ -6,6 +6,7 @@ pipeline/model/cache_modes); this module asks them. Also the memory estimate (fr
 """
 from __future__ import annotations
 
+import fnmatch
 from typing import Optional
 
 from pipeline.backends import BACKENDS
@@ -40,18 +41,33 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     return geometry
 
 
+def quantized_parts(q) -> list[tuple[str, str, str, int]]:
+    """(scheme key, group key, scheme, group) of every part the quantize config names."""
+    parts = [("quantize.linear", "quantize.linear_group_size", v(q.linear), q.linear_group_size),
+             ("quantize.embedding", "quantize.embedding_group_size", v(q.embedding), q.embedding_group_size)]
+    if q.lm_head is not None:
+        parts.append(("quantize.lm_head", "quantize.lm_head_group_size", v(q.lm_head), q.lm_head_group_size))
+    for i, o in enumerate(q.overrides):
+        parts.append((f"quantize.overrides[{i}].scheme", f"quantize.overrides[{i}].group_size", v(o.scheme),
+                      o.group_size))
+    return parts
+
+
 def quantize_problems(cfg) -> Problems:
     q, backend = cfg.quantize, v(cfg.backend.name)
-    refused = BACKENDS[backend].REFUSED
     out = []
-    for key, scheme, group in (("quantize.linear", v(q.linear), q.linear_group_size),
-                               ("quantize.embedding", v(q.embedding), q.embedding_group_size)):
-        if scheme in refused:
-            out.append((key, scheme, f"backend={backend} refuses it: {refused[scheme]}"))
+    for key, group_key, scheme, group in quantized_parts(q):
+        if scheme == "none":
+            continue
+        why = BACKENDS[backend].refuses(scheme, group)
+        if why:
+            out.append((key, scheme, f"backend={backend} refuses it: {why}"))
         if scheme == "nvfp4" and group != 16:
-            out.append((f"{key}_group_size", group, "nvfp4 uses group size 16"))
+            out.append((group_key, group, "nvfp4 uses group size 16"))
+        if scheme == "nvfp4" and v(q.algorithm) != "minmax":
+            out.append(("quantize.algorithm", v(q.algorithm), "nvfp4 has its own scales: allowed ['minmax']"))
         if group < 0:
-            out.append((f"{key}_group_size", group, "must be >= 0 (0 = per channel)"))
+            out.append((group_key, group, "must be >= 0 (0 = per channel)"))
     return out
 
 
@@ -126,6 +142,20 @@ def geometry_problems(cfg, g: Geometry) -> Problems:
                         "must divide the in_features of every linear; it does not divide "
                         + ", ".join(f"{k} ({n})" for k, n in bad.items())
                         + f"; divisors that work: {_common_divisors(g.linear_in_features().values())}"))
+    if q.lm_head is not None and v(q.lm_head) != "none" and q.lm_head_group_size > 0 \
+            and g.hidden_size % q.lm_head_group_size:
+        out.append(("quantize.lm_head_group_size", q.lm_head_group_size, f"must divide the lm_head's in_features "
+                    f"{g.hidden_size}; divisors that work: {_common_divisors([g.hidden_size])}"))
+    linears = g.linears()
+    for i, o in enumerate(q.overrides):
+        matched = {name: n for name, n in linears.items() if fnmatch.fnmatch(name, o.pattern)}
+        if not matched:
+            out.append((f"quantize.overrides[{i}].pattern", o.pattern, "matches no linear; they are named like "
+                        "'model.layers.0.self_attn.q_proj', 'model.layers.0.mlp.down_proj', 'lm_head'"))
+        elif o.group_size > 0 and any(n % o.group_size for n in matched.values()):
+            out.append((f"quantize.overrides[{i}].group_size", o.group_size, f"must divide the in_features of the "
+                        f"linears it matches ({sorted(set(matched.values()))}); divisors that work: "
+                        f"{_common_divisors(matched.values())}"))
     if v(q.embedding) != "none" and q.embedding_group_size > 0 and g.hidden_size % q.embedding_group_size:
         out.append(("quantize.embedding_group_size", q.embedding_group_size,
                     f"must divide the embedding dim {g.hidden_size}; divisors that work: "

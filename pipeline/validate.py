@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from omegaconf import OmegaConf
+
+from pipeline.config import Thresholds
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import sources
 from pipeline.model.geometry import Geometry
@@ -57,9 +60,9 @@ def smoke(name: str, g: Geometry) -> Optional[str]:
     # random weights: what quantization costs against float means nothing here, so only the program's
     # fidelity to the eager model of the same quantization (same_quant) is gated
     cfg = _compose(name, f"model={tiny}", "export.max_context_len=64", "export.prefill_chunk=8",
-                   "verify.max_new_tokens=8", "verify.vs_float.min_greedy_match=null",
-                   "verify.vs_float.max_logit_err=null", "verify.vs_float.min_top1=null",
-                   "verify.vs_float.max_kld=null", "verify.vs_float.max_kld_ratio=null", "run.progress=false")
+                   "verify.max_new_tokens=8", "run.progress=false")
+    for gate in ("exact", "dynamic"):
+        cfg.verify[gate].vs_float = OmegaConf.structured(Thresholds)
     try:
         m = build(cfg, recipe=f"{name} (smoke on {tiny})")
     except PipelineError as e:

@@ -3,7 +3,7 @@
 Each declares:
     RUNTIME: str             -- the runtime that runs its programs here (pipeline/runtimes/<RUNTIME>)
     NATIVE_RUNNER: bool      -- the C++ runners (native/) run its programs
-    REFUSED: dict            -- quantization scheme -> why this backend cannot build it (preflight refuses it)
+    refuses(scheme, group)   -- why this backend cannot build a quantization scheme, or None (preflight asks)
     setup()                  -- register the ops its programs and its lowering need
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower

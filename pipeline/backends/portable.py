@@ -3,7 +3,13 @@ from __future__ import annotations
 
 RUNTIME = "executorch"
 NATIVE_RUNNER = True
-REFUSED = {"nvfp4": "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"}
+
+
+def refuses(scheme: str, group: int) -> str | None:
+    """Why this backend cannot build a quantization scheme (None: it can)."""
+    if scheme == "nvfp4":
+        return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
+    return None
 
 
 def setup() -> None:

@@ -31,6 +31,19 @@ class Geometry:
     def smallest_window(self) -> Optional[int]:
         return self.sliding_window if "sliding_attention" in self.layer_types else None
 
+    def linears(self) -> dict[str, int]:
+        """Every linear's module name (HF's Llama / Gemma layout) and its in_features."""
+        out = {}
+        for i in range(self.num_layers):
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                out[f"model.layers.{i}.self_attn.{proj}"] = self.num_heads * self.head_dim if proj == "o_proj" \
+                    else self.hidden_size
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[f"model.layers.{i}.mlp.{proj}"] = self.intermediate_size if proj == "down_proj" \
+                    else self.hidden_size
+        out["lm_head"] = self.hidden_size
+        return out
+
     def linear_in_features(self) -> dict[str, int]:
         """in_features of each kind of linear in a decoder layer, plus lm_head."""
         return {

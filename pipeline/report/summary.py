@@ -39,6 +39,8 @@ def print_summary(m: dict) -> None:
         if outside:
             print(f"  outside the delegate, by op: {outside}")
     v = m.get("verify")
+    if v and v.get("gate"):
+        print(f"  verify gate: {v['gate']}")
     if v:
         for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager"),
                            ("quant_cost", "(eager quant vs float)")):

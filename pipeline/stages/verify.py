@@ -6,7 +6,7 @@ Two references: the eager module with the same quantization (did export and lowe
 program? tight thresholds) and the unquantized eager module (what did quantization cost? looser).
 Figures per prompt: greedy token match over N new tokens, and teacher-forced over the reference's
 tokens (so one early drift does not hide everything after it): max abs logit error, top-1 agreement,
-mean KL divergence. Thresholds come from verify.same_quant / verify.vs_float. Then, where they run the
+mean KL divergence. Thresholds: the gate that fits the quantization (verify.gate, conf/verify). Then, where they run the
 program, the C++ runners on the same prompt ids: their greedy tokens must equal the Python runtime's.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pipeline.abi import DTYPES, EOS_IDS
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.quantization import dynamic_activations
 from pipeline.report.progress import bar, spinner
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
 from pipeline.runtimes.base import run_sequence
@@ -166,9 +167,18 @@ def cross_check_module(ctx):
     return None if other is None else (other, open_program(ctx.inputs["lower"], runtime=other))
 
 
+def gate_of(cfg) -> str:
+    """The gate that applies: verify.gate, or with `auto` the one that fits the quantization scheme."""
+    choice = v(cfg.verify.gate)
+    if choice == "auto":
+        return "dynamic" if dynamic_activations(cfg.quantize) else "exact"
+    return choice
+
+
 def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, list]:
     """Each prompt: the program against both eager references (and the other runtimes that apply)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
+    gate = vc[gate_of(ctx.cfg)]
     prompts, problems = [], []
     for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
         ids = prompt_ids(tok, text, vc.chat)
@@ -188,9 +198,9 @@ def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, li
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
-        found = check(same, vc.same_quant, len(ref), "vs same-quant eager") + \
-            check(vs_float, vc.vs_float, len(flt), "vs float eager")
-        ratio = vc.vs_float.max_kld_ratio
+        found = check(same, gate.same_quant, len(ref), "vs same-quant eager") + \
+            check(vs_float, gate.vs_float, len(flt), "vs float eager")
+        ratio = gate.vs_float.max_kld_ratio
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:  # 1e-3: noise floor near 0
             found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
                          f"{cost['kld']:.4g}")
@@ -258,6 +268,7 @@ def run(ctx) -> dict:
     except Unsupported as err:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=eager_q is not eager_f)
+    summary["gate"] = gate_of(ctx.cfg)
     summary["runtime"] = runtime.describe()
     summary["cross_check"] = other[0] if other else None
     if vc.native:

@@ -11,11 +11,16 @@ from pipeline.config import v
 
 RUNTIME = "mlx"           # no MLX runtime on Linux: our interpreter of the delegate payload
 NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
-REFUSED = {
-    "8da4w": "the MLX partitioner does not take torchao's dynamic activation quantization: choose_qparams_affine "
-             "/ quantize_affine / dequantize_affine stay outside the delegate and have no out variants, so "
-             "lowering fails with 'Missing out variants'",
-}
+
+
+def refuses(scheme: str, group: int) -> str | None:
+    """Why this backend cannot build a quantization scheme (None: it can)."""
+    from pipeline.model.quantization import SCHEMES
+    if SCHEMES[scheme].dynamic:
+        return ("allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX partitioner does not take torchao's dynamic "
+                "activation quantization: choose_qparams_affine / quantize_affine / dequantize_affine stay outside "
+                "the delegate and have no out variants, so lowering fails with 'Missing out variants')")
+    return None
 
 
 def setup() -> None:

@@ -8,10 +8,19 @@ from pipeline.config import v
 
 RUNTIME = "executorch"
 NATIVE_RUNNER = True
-REFUSED = {"nvfp4": "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"}
 WEIGHT_ONLY_BITS = {"4w": 4, "8w": 8}
 
 log = logging.getLogger(__name__)
+
+
+def refuses(scheme: str, group: int) -> str | None:
+    """Why this backend cannot build a quantization scheme (None: it can)."""
+    if scheme == "nvfp4":
+        return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
+    if scheme == "8da8w" and group > 0:
+        return ("XNNPACK runs int8 weights under dynamic activations per output channel only (qd8-f32-qc8w; "
+                "lowering stops at 'Only 4b group quantization is supported'): group size 0")
+    return None
 
 
 def setup() -> None:

@@ -1,0 +1,128 @@
+"""Quantization schemes and how the quantize stage applies them to a wrapped module (torchao).
+
+Linears: none | 8w | 4w (weight-only) | 8da4w | 8da8w (int8 activations quantized per row at run time, int4/int8
+weights) | nvfp4 (MLX). Embeddings: none | 8w | 4w | nvfp4. Group size 0 = per output channel (per row).
+Each linear takes, in this order: the lm_head knob (the output projection), the first override whose pattern
+matches its name, the `linear` scheme. Embeddings are quantized first; a tied lm_head is re-tied to the quantized
+embedding when both take the same scheme and group.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pipeline.config import v
+
+
+@dataclass(frozen=True)
+class Scheme:
+    bits: Optional[int]       # weight bits; None = not quantized
+    dynamic: bool = False     # activations quantized at run time (the program's and eager's rounding differ)
+
+
+SCHEMES = {"none": Scheme(None), "8w": Scheme(8), "4w": Scheme(4), "8da4w": Scheme(4, dynamic=True),
+           "8da8w": Scheme(8, dynamic=True), "nvfp4": Scheme(4)}
+
+
+def _granularity(group: int):
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    return PerGroup(group) if group > 0 else PerAxis(0)
+
+
+def _algorithm(name: str):
+    from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+        IntxChooseQParamsAlgorithm)
+    return {"minmax": IntxChooseQParamsAlgorithm.AFFINE, "hqq": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY}[name]
+
+
+def torchao_config(scheme: str, group: int, algorithm: str = "minmax"):
+    """The torchao config of a scheme (linears and embeddings alike)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    if scheme == "nvfp4":
+        # fp4 (e2m1) values in groups of 16 with fp8 scales, in the exportable form the MLX delegate matches
+        from executorch.extension.llm.export.nvfp4 import ExportableNVFP4Config
+        return ExportableNVFP4Config(use_per_tensor_scale=False)
+    bits = SCHEMES[scheme].bits
+    dtype = torch.int4 if bits == 4 else torch.int8
+    if SCHEMES[scheme].dynamic:
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=_granularity(group),
+                                                     intx_choose_qparams_algorithm=_algorithm(algorithm))
+    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=_granularity(group),
+                                intx_choose_qparams_algorithm=_algorithm(algorithm))
+
+
+def head_scheme(q) -> tuple[str, int]:
+    """(scheme, group) of the lm_head: its own knob, or the linears'."""
+    if q.lm_head is not None:
+        return v(q.lm_head), q.lm_head_group_size
+    return v(q.linear), q.linear_group_size
+
+
+def schemes_in_use(q) -> set[str]:
+    return {v(q.linear), v(q.embedding), head_scheme(q)[0], *(v(o.scheme) for o in q.overrides)} - {"none"}
+
+
+def dynamic_activations(q) -> bool:
+    """Does any part of the model quantize its activations at run time?"""
+    return any(SCHEMES[s].dynamic for s in schemes_in_use(q))
+
+
+def linear_plan(model: nn.Module, q, retie: bool) -> dict[tuple[str, int], list[str]]:
+    """(scheme, group) -> the names of the linears that take it (a re-tied head takes none: it shares the
+    embedding's quantized weight)."""
+    head = model.get_output_embeddings()
+    plan: dict[tuple[str, int], list[str]] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        override = next((o for o in q.overrides if fnmatch.fnmatch(name, o.pattern)), None)
+        if m is head and retie:
+            continue
+        if m is head and q.lm_head is not None:
+            choice = head_scheme(q)
+        elif override is not None:
+            choice = (v(override.scheme), override.group_size)
+        else:
+            choice = (v(q.linear), q.linear_group_size)
+        if choice[0] != "none":
+            plan.setdefault(choice, []).append(name)
+    return plan
+
+
+def quantize_module(module: nn.Module, q) -> dict:
+    """Quantize a wrapped module in place; returns a report."""
+    from torchao.quantization import quantize_
+
+    model = module.model
+    emb, algorithm = v(q.embedding), v(q.algorithm)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    ties = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    retie = tied and ties and q.tie_word_embeddings and emb != "none" and \
+        head_scheme(q) == (emb, q.embedding_group_size)
+    if tied and schemes_in_use(q):
+        # quantize the two separately (or re-tie below): they may need different schemes
+        head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+    report = {"linear": v(q.linear), "embedding": emb, "lm_head": head_scheme(q)[0], "algorithm": algorithm,
+              "tied_in_model": tied, "retied": False, "linear_layers": 0, "embedding_layers": 0, "by_scheme": {}}
+    if emb != "none":
+        quantize_(model, torchao_config(emb, q.embedding_group_size, algorithm),
+                  filter_fn=lambda m, _: isinstance(m, nn.Embedding))
+        report["embedding_layers"] = sum(isinstance(m, nn.Embedding) for m in model.modules())
+    for (scheme, group), names in linear_plan(model, q, retie).items():
+        chosen = set(names)
+        quantize_(model, torchao_config(scheme, group, algorithm),
+                  filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
+        report["by_scheme"][f"{scheme} g{group}"] = len(names)
+        report["linear_layers"] += len(names)
+    if retie:
+        head.weight = embed.weight
+        report["retied"] = True
+    for m in model.modules():
+        # torchao sets a per-instance extra_repr (a partial), which pickle cannot save
+        m.__dict__.pop("extra_repr", None)
+    return report
