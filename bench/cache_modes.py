@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, build  # noqa: E402  (bench/ is the script's folder)
 
 # per model: mode -> pipeline overrides (same weights and quantization within a model)
 MODES = {
@@ -39,15 +38,6 @@ MODES = {
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
         "cheaper to produce and easier to share. Within a few decades, printers across Europe were "
         "publishing bibles, grammars, calendars and pamphlets, and the number of readers grew with them. ")
-
-
-def build(overrides: list[str]) -> dict:
-    r = subprocess.run([sys.executable, "-m", "pipeline", *overrides, "verify.enabled=false", "run.progress=false"],
-                       cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"build {' '.join(overrides)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    manifest = Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1])
-    return json.loads(manifest.read_text())
 
 
 def prompt_ids(tokenizer: str, pte: str, n: int) -> list[int]:

@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, build, gguf_file  # noqa: E402  (bench/ is the script's folder)
 
 # the best recipe per model (smallest and fastest that still verifies)
 BEST = {"smollm2": ["recipe=smollm2_custom"], "gemma3": ["recipe=gemma3_offgraph_8da4w"]}
@@ -107,31 +106,6 @@ def run_worker(engine: str, source: str, ids: list[int], new: int, threads: int)
 # --------------------------------------------------------------------------------------------------
 # setup: the pipeline build, the GGUF file, the prompt
 # --------------------------------------------------------------------------------------------------
-def build(overrides: list[str]) -> dict:
-    r = subprocess.run([sys.executable, "-m", "pipeline", *overrides, "verify.enabled=false", "run.progress=false"],
-                       cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"build {' '.join(overrides)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
-
-
-def gguf_file(m: dict) -> Path:
-    """The GGUF the model came from (assembled once into outputs/bench/ when shipped in chunks)."""
-    from omegaconf import OmegaConf
-
-    from pipeline.model import sources
-    model = OmegaConf.create(m["config"]["model"])
-    path, _, assemble = sources.gguf_location(model)
-    if path is not None:
-        return path
-    out = ROOT / "outputs" / "bench" / "gguf" / f"{model.name}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp.gguf")
-        Path(assemble(tmp)).replace(out)
-    return out
-
-
 def prompt_ids(m: dict, n: int) -> list[int]:
     from pipeline import native
     ids, text = [], TEXT

@@ -9,25 +9,16 @@ same command on it, so the ratio is measured in one invocation on the same machi
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, build as pipeline_build
 
 
 def build(recipe: str, out: str) -> tuple[float, dict]:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pipeline", f"recipe={recipe}", f"run.output_dir={out}",
-                        "run.progress=false"], cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if r.returncode != 0:
-        sys.exit(f"build failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    manifest = json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
-    return seconds, manifest
+    manifest = pipeline_build([f"recipe={recipe}", f"run.output_dir={out}"], verify=True)
+    return time.perf_counter() - t0, manifest
 
 
 def main() -> None:

@@ -199,6 +199,9 @@ class VerifyConfig:
     batched: bool = False                     # offgraph: the prompts as sessions of llm_batched_runner must equal
                                               # their single-session C++ runs (greedy)
     max_new_tokens: int = 16
+    # > 0: also score the program against the float model on that many chunks of the fidelity corpus
+    # (pipeline/fidelity.py: KLD mean/median/p99/max, same top-1, RMS delta-p, perplexities), for sweeps to rank by
+    fidelity_chunks: int = 0
     # backend=mlx: an instruction the interpreter cannot run makes verify's status `unsupported: <op>`;
     # true fails the gate (the default), false records the status and skips the checks
     fail_on_unsupported: bool = True

@@ -247,6 +247,17 @@ def summarize_native(prompts: list) -> dict:
     }
 
 
+def corpus_fidelity(ctx, tok, eager_f, pte) -> dict:
+    """The program against the float model on the fidelity corpus (pipeline/fidelity.py), chunks of up to 512."""
+    from pipeline.fidelity import corpus_chunks, hf_logits, program_logits, score
+    n_ctx = min(512, ctx.cfg.export.max_context_len)
+    chunks = corpus_chunks(tok, n_ctx, ctx.cfg.verify.fidelity_chunks)
+    chunk = ctx.cfg.export.prefill_chunk
+    engines = {"program": lambda c, first: program_logits(pte, c, first, chunk)}
+    with spinner(f"fidelity on {len(chunks)} corpus chunks", ctx.progress):
+        return {"n_ctx": n_ctx, **score(lambda c: hf_logits(eager_f.model, c), engines, chunks)["program"]}
+
+
 def run(ctx) -> dict:
     from transformers import AutoTokenizer
 
@@ -269,6 +280,8 @@ def run(ctx) -> dict:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=eager_q is not eager_f)
     summary["gate"] = gate_of(ctx.cfg)
+    if vc.fidelity_chunks > 0:
+        summary["fidelity"] = corpus_fidelity(ctx, tok, eager_f, pte)
     summary["runtime"] = runtime.describe()
     summary["cross_check"] = other[0] if other else None
     if vc.native:

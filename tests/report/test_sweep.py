@@ -107,3 +107,10 @@ def test_pareto_marking():
             {"status": "failed", "pte_mib": None, "decode_tok_s": None, "kld": None}]
     sweep_report.mark_pareto(rows)
     assert [r["pareto"] for r in rows] == [True, False, True, False]
+
+
+def test_the_front_ranks_by_the_corpus_kld_when_every_job_measured_it():
+    rows = [{"status": "ok", "pte_mib": 10, "decode_tok_s": 100, "kld": 0.1, "corpus_kld": 0.5},
+            {"status": "ok", "pte_mib": 10, "decode_tok_s": 100, "kld": 0.5, "corpus_kld": 0.1}]
+    sweep_report.mark_pareto(rows)
+    assert [r["pareto"] for r in rows] == [False, True]  # the 2 x 16-token prompt KLD would say the opposite

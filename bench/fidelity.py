@@ -1,0 +1,164 @@
+"""How far each build sits from the float model, on the fixed corpus, beside llama.cpp's formats of the same source.
+
+    python bench/fidelity.py                                  # both models, every row below (about an hour cold)
+    python bench/fidelity.py --models smollm2 --chunks 8      # one model, half the tokens
+    python bench/fidelity.py --no-llama-cpp                   # our builds only
+
+Figures per row (pipeline/fidelity.py, the form of llama-perplexity --kl-divergence): KLD of the engine's next-token
+distribution against the float model's (the GGUF dequantized by transformers, fp32) on the same tokens: mean,
+median, 99th percentile, max; same top-1 %; RMS of delta-p; perplexity of the engine and of the float model.
+- ours: the built program in its runtime, stepped token by token as a decode runs (not the eager module);
+- llama.cpp (`pip install -e ".[bench]"`): the model's own GGUF, and requantizations of it (Q8_0, Q4_0, Q4_K_M)
+  through llama_model_quantize with requantize allowed, all scored on the same token ids.
+bits_per_weight: the file's bytes x 8 / the model's parameters. Writes outputs/bench/fidelity.json and prints one
+Markdown table per model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from common import ROOT, build, gguf_file
+
+# per model: row name -> pipeline overrides (our own builds)
+DOWN_8BIT = "+quantize.overrides=[{pattern:'*.mlp.down_proj',scheme:8da8w,group_size:0}]"
+HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quantize.lm_head=8da8w"]
+BUILDS = {
+    "smollm2": {
+        "fp32": ["recipe=smollm2_custom", "quantize=none"],
+        "8da4w, 4w embedding (smollm2_custom)": ["recipe=smollm2_custom"],
+        "8da4w, 8-bit embedding + lm_head": ["recipe=smollm2_custom", *HEAD_8BIT],
+        "8da4w hqq, 8-bit embedding + lm_head": ["recipe=smollm2_custom", *HEAD_8BIT, "quantize.algorithm=hqq"],
+        "8da4w hqq, 8-bit embedding + lm_head + down_proj": ["recipe=smollm2_custom", *HEAD_8BIT,
+                                                             "quantize.algorithm=hqq", DOWN_8BIT],
+        "8da8w, 8-bit embedding": ["recipe=smollm2_custom", "quantize.linear=8da8w", "quantize.linear_group_size=0",
+                                   "quantize.embedding=8w", "quantize.embedding_group_size=32"],
+    },
+    "gemma3": {
+        "8da4w, 4w embedding (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
+        "8da4w hqq, 8-bit embedding + lm_head": ["recipe=gemma3_offgraph_8da4w", *HEAD_8BIT,
+                                                 "quantize.algorithm=hqq"],
+        "8da4w hqq, 8-bit embedding + lm_head + down_proj": ["recipe=gemma3_offgraph_8da4w", *HEAD_8BIT,
+                                                             "quantize.algorithm=hqq", DOWN_8BIT],
+        "8da8w, 8-bit embedding": ["recipe=gemma3_offgraph_8da4w", "quantize.linear=8da8w",
+                                   "quantize.linear_group_size=0", "quantize.embedding=8w",
+                                   "quantize.embedding_group_size=32"],
+    },
+}
+# llama.cpp's file types (llama_ftype) for llama_model_quantize
+LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}
+COLUMNS = ("engine", "build", "bits_per_weight", "kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1",
+           "rms_dp", "ppl", "ppl_float")
+
+
+def requantized(src: Path, name: str, ftype: str) -> Path:
+    """A requantization of a GGUF (llama.cpp's quantize, requantize allowed), made once under outputs/bench/gguf/."""
+    import llama_cpp
+    out = ROOT / "outputs" / "bench" / "gguf" / f"{name}-{ftype}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = LLAMA_FTYPES[ftype]
+        params.allow_requantize = True
+        tmp = out.with_suffix(".tmp.gguf")
+        if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError(f"llama_model_quantize {src} -> {ftype} failed")
+        tmp.replace(out)
+    return out
+
+
+def llama_engine(path: Path, n_ctx: int, threads: int):
+    """llama.cpp's logits at [first, n - 1) of a chunk (logits_all: every evaluated token keeps its row)."""
+    from llama_cpp import Llama
+    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=threads,
+                verbose=False)
+
+    def run(chunk, first):
+        llm.reset()
+        llm.eval(chunk)
+        return torch.from_numpy(llm.scores[first:len(chunk) - 1].copy())
+    return run
+
+
+def program_engine(manifest: dict):
+    from pipeline.fidelity import program_logits
+    from pipeline.runtimes import open_program
+    lower = next(Path(s["path"]) for s in manifest["stages"] if s["name"] == "lower")
+    program = open_program(lower)
+    return lambda chunk, first: program_logits(program, chunk, first, program.chunk)
+
+
+def measure(model: str, args) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from pipeline.fidelity import corpus_chunks, hf_logits, score
+    from pipeline.model.loading import load_hf_model
+    builds = {name: build(ov) for name, ov in BUILDS[model].items() if not args.only or args.only in name}
+    first = next(iter(builds.values()))
+    hf = load_hf_model(first["model_dir"])
+    params = sum(p.numel() for p in hf.parameters())
+    tok = AutoTokenizer.from_pretrained(first["model_dir"])
+    chunks = corpus_chunks(tok, args.ctx, args.chunks)
+    engines, rows = {}, {}
+    for name, m in builds.items():
+        engines[name] = program_engine(m)
+        rows[name] = {"engine": "ours", "build": name, "overrides": BUILDS[model][name],
+                      "bits_per_weight": Path(m["pte"]).stat().st_size * 8 / params}
+    if not args.no_llama_cpp:
+        src = gguf_file(first)
+        files = {"own file": src, **{t: requantized(src, model, t) for t in LLAMA_FTYPES}}
+        for name, path in files.items():
+            key = f"llama.cpp {name}"
+            engines[key] = llama_engine(path, args.ctx, args.threads)
+            rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
+    t0 = time.perf_counter()
+    figures = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
+                    progress=lambda xs: _progress(xs, model))
+    print(f"[{model}] scored {len(engines)} engines on {figures[next(iter(figures))]['tokens']} tokens "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    return [{**rows[name], **figures[name]} for name in engines]
+
+
+def _progress(chunks, model):
+    for i, c in enumerate(chunks):
+        print(f"[{model}] chunk {i + 1}/{len(chunks)}", flush=True)
+        yield c
+
+
+def table(model: str, rows: list[dict]) -> str:
+    head = "| engine | build | bits/weight | KLD mean | median | p99 | max | same top-1 | RMS dp | PPL | PPL float |"
+    lines = [f"### {model}", "", head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['build']} | {r['bits_per_weight']:.2f} | {r['kld_mean']:.4f} | "
+                     f"{r['kld_median']:.4f} | {r['kld_p99']:.3f} | {r['kld_max']:.2f} | {100 * r['same_top1']:.1f} % | "
+                     f"{100 * r['rms_dp']:.2f} % | {r['ppl']:.3f} | {r['ppl_float']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored")
+    ap.add_argument("--chunks", type=int, default=16, help="chunks of the corpus (16 x 256 = 4096 scored tokens)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", help="only our builds whose name contains this")
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    out = ROOT / "outputs" / "bench" / "fidelity.json"
+    results = json.loads(out.read_text()) if out.exists() else {}
+    for model in args.models.split(","):
+        rows = {(r["engine"], r["build"]): r for r in results.get(model, [])}  # rows not measured now stay
+        rows.update({(r["engine"], r["build"]): r for r in measure(model, args)})
+        results[model] = list(rows.values())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(table(model, results[model]), flush=True)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
