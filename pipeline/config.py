@@ -41,6 +41,8 @@ LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "8da8w", "
 EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
 # the stages in build order (pipeline/stages checks its modules against it): run.until's choices
 Stage = _choices("Stage", ["download", "wrap", "quantize", "export", "lower", "verify"])
+# deliberately broken programs, for the gate's calibration (pipeline/model/faults.py); never in a recipe
+Fault = _choices("Fault", ["layer_permuted", "group_scale_doubled", "heads_swapped", "ring_one_short"])
 
 
 class CacheMode(str, Enum):
@@ -145,6 +147,7 @@ class ExportConfig:
     logits_mode: LogitsMode = LogitsMode.last
     strict: bool = True
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
+    fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
 
 
 @dataclass
@@ -193,7 +196,12 @@ class VerifyConfig:
     prompts: List[str] = field(default_factory=lambda: [
         "What is the capital of France?",
         "Write a haiku about the sea.",
+        "Explain in two sentences why the sky is blue.",
+        "List three uses for a paperclip.",
     ])
+    # also a prompt of corpus prose (bench/corpus) that crosses the prefill chunk: chunk + 16 tokens (within the
+    # context), so a chunked prefill and, on sliding-window models with short rings, a wrap are checked
+    long_prompt: bool = True
     chat: bool = True                         # apply the tokenizer's chat template when it has one
     native: bool = True                       # also run the C++ runner: its tokens must equal the Python runtime's
     batched: bool = False                     # offgraph: the prompts as sessions of llm_batched_runner must equal

@@ -86,6 +86,10 @@ def cache_problems(cfg) -> Problems:
 def export_problems(cfg) -> Problems:
     e = cfg.export
     out = []
+    mode = CACHE_MODES[cfg.cache.mode]
+    if v(e.fault) == "ring_one_short" and not (mode.RINGS and not mode.RUNTIME_OWNED):
+        out.append(("export.fault", "ring_one_short", f"needs rings in the program: cache.mode=custom "
+                    f"(is {v(cfg.cache.mode)!r})"))
     if e.max_context_len < 2:
         out.append(("export.max_context_len", e.max_context_len, "must be >= 2"))
     if e.prefill_chunk < 1:
@@ -100,8 +104,11 @@ def verify_problems(cfg) -> Problems:
     out = []
     if vc.max_new_tokens < 1:
         out.append(("verify.max_new_tokens", vc.max_new_tokens, "must be >= 1"))
-    if vc.enabled and not list(vc.prompts):
-        out.append(("verify.prompts", [], "needs at least one prompt when verify.enabled=true"))
+    if vc.enabled and not list(vc.prompts) and not vc.long_prompt:
+        out.append(("verify.prompts", [], "needs at least one prompt (or verify.long_prompt) when verify.enabled=true"))
+    if vc.long_prompt and e.max_context_len - vc.max_new_tokens < 2:
+        out.append(("verify.max_new_tokens", vc.max_new_tokens, f"leaves no room for the long prompt in "
+                    f"export.max_context_len={e.max_context_len}"))
     if vc.enabled and vc.native and not BACKENDS[backend].NATIVE_RUNNER:
         out.append(("verify.native", vc.native, f"the C++ runner here cannot run backend={backend} programs: set "
                     f"verify.native=false (verify runs them in the {BACKENDS[backend].RUNTIME} runtime)"))

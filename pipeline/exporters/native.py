@@ -47,7 +47,11 @@ def export(ctx) -> dict:
     """Writes program.pt2 (torch.export.save)."""
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-    info = BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)
+    fault = {}
+    if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
+        from pipeline.model.faults import inject
+        fault = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
+    info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
     torch.export.save(ep, ctx.out / "program.pt2")

@@ -258,6 +258,8 @@ def problems(cfg) -> list[tuple[str, object, str]]:
                                               "own patches; strict dynamo tracing fails on them)"))
     if v(e.dtype) != "fp32":
         out.append(("export.dtype", v(e.dtype), f"{route} allowed: ['fp32'] (the only dtype built and verified here)"))
+    if e.fault is not None:
+        out.append(("export.fault", v(e.fault), f"{route} allowed: [null] (faults are injected on the native route)"))
     if e.prefill_chunk < 2:
         out.append(("export.prefill_chunk", e.prefill_chunk, f"{route} must be >= 2: the token count is traced "
                                                              "symbolic from a >= 2-token sample"))

@@ -175,13 +175,24 @@ def gate_of(cfg) -> str:
     return choice
 
 
+def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
+    """(label, token ids) of every prompt: the configured ones, then the long one that crosses the chunk."""
+    vc, e = ctx.cfg.verify, ctx.cfg.export
+    prompts = [(text, prompt_ids(tok, text, vc.chat)) for text in vc.prompts]
+    if vc.long_prompt:
+        from pipeline.fidelity import corpus_chunks
+        n = min(e.prefill_chunk + 16, e.max_context_len - vc.max_new_tokens)
+        ids = corpus_chunks(tok, n, 1)[0]
+        prompts.append((f"(bench/corpus prose, {n} tokens)", ids))
+    return prompts
+
+
 def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, list]:
     """Each prompt: the program against both eager references (and the other runtimes that apply)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
     prompts, problems = [], []
-    for text in bar(list(vc.prompts), desc="verify prompts", enabled=ctx.progress):
-        ids = prompt_ids(tok, text, vc.chat)
+    for text, ids in bar(verify_prompts(ctx, tok), desc="verify prompts", enabled=ctx.progress):
         room = ctx.cfg.export.max_context_len - len(ids)
         n = min(vc.max_new_tokens, room)
         if n < 1:

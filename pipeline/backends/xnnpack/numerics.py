@@ -1,0 +1,196 @@
+"""What an XNNPACK dynamically quantized linear computes, in torch: a reference for 8da4w / 8da8w builds.
+
+Why: torchao's eager `Int8DynamicActivationIntxWeightConfig` linear is an emulation (quantize-dequantize the
+activations per row with `choose_qparams_affine` / `quantize_affine`, dequantize the weights with fp32 scales,
+fp32 `F.linear`). XNNPACK's qd8-f32-qb4w / qd8-f32-qc8w GEMMs choose the activation parameters another way, store
+4-bit group scales as bf16 and compute in int32 with their own float epilogue, so the program and torchao's module
+differ by far more than float rounding. `reference(module)` swaps every such linear for one that follows XNNPACK
+step by step, so a verify can tell "the program is XNNPACK's numerics" from "the program is wrong".
+
+What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; these paths have not changed since):
+- Per-row activation parameters, src/xnnpack/quantization.h `xnn_qd8_asymmetric_quantization_params`: the row's
+  min/max (src/operator-run.c `xnn_compute_f32_qx8_convert`, or src/pack-lh.cc when the FC packs its own LHS)
+  widened to include 0; multiplier m = 255 / (max - min) in fp32 (1 for a constant row); TFLite's nudged zero point
+  (from whichever end gives the smaller error, clamped to [-128, 127], rounded half-to-even with lrintf). The GEMM
+  gets the dequantization scale as 1 / m (`xnn_f32_qd8_asymmetric_quantization_params`), not (max - min) / 255.
+  On x86 with AVX-512 VNNI the activations are unsigned (qdu8: zero point + 128, range [0, 255]; src/subgraph.c
+  `convert_gemm_to_qduint8`), which changes the float epilogue of the 4-bit kernel (below), not the integers.
+- Quantizing, src/f32-qu8-vcvt/avx512skx.c.in (f32-qs8-vcvt likewise): q = sat(rne(x * m) + zero point), a fp32
+  multiply by the multiplier, never a division, rounded half-to-even by cvtps2dq.
+- qd8-f32-qb4w (4-bit groups), src/qd8-f32-qb4w-gemm/gen/qd8-f32-qb4w-gemm-1x16c8-minmax-avx512vnni-prfm.c: per
+  group an exact int32 dot of the activations with 16 * w (the nibble sits in the high half of a byte), converted to
+  fp32 and fma'd with the bf16 group scale / 16 (src/microparams-init.c `xnn_init_blockwise_scale_bf16_params`)
+  into a running fp32 sum that starts at ksum * zero point; then times the row's dequantization scale, then + bias.
+  ksum is packed in fp32 (src/reference/packing.cc `xnn_pack_qs8_qb4w_gemm_goi_w`, input zero point 1): minus the
+  sum over chunks of 2 * kr = 16 input channels of (sum of the chunk's int4 weights) * bf16 group scale, subtracted
+  one chunk after another. The scales are bf16 because ExecuTorch's serializer casts them
+  (executorch/backends/xnnpack/operators/node_visitor.py `get_quant_params`); the int values themselves were chosen
+  by torchao with the fp32 scales. The kernel zero point 8 (ExecuTorch stores w + 8) is folded out at packing.
+- qd8-f32-qc8w (8-bit per channel, fp32 scales kept as they are),
+  src/qd8-f32-qc8w-gemm/gen/qd8-f32-qc8w-gemm-1x64-minmax-asm-amd64-avx512vnni.S: int32 accumulator
+  ksum * zero point + dot (exactly sum (q - zp) * w), converted to fp32, times the row's dequantization scale, then
+  one fma with the channel scale and the bias. 4-bit per channel weights are lowered as qb4w with one group.
+
+Exact integer sums do not depend on order, so those are computed with float64 matmuls (exact at these sizes); every
+fp32 step is done in the order above, the fmas correctly rounded. What stays eager (norms, attention, rope, the
+embeddings) is left as it is: their last-bit differences from XNNPACK's kernels still flip an activation rounding now
+and then, so the reference is closer to the program than torchao's module is, not bit-identical to it.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+QMIN, QMAX = -128, 127     # XNNPACK's qd8 range; qdu8 shifts it and the zero point by 128
+KSUM_CHUNK = 16            # input channels per ksum term in the qb4w packing (2 * kr, kr = 8 on x86 AVX2/AVX-512)
+
+
+# --- activations: per-row parameters and quantization ----------------------------------------------------------
+
+def row_qparams(x: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(multiplier, dequantization scale, zero point) per row of x [M, K] fp32, as XNNPACK derives them."""
+    rmin = torch.clamp(x.amin(-1), max=0.0)      # the range always includes 0
+    rmax = torch.clamp(x.amax(-1), min=0.0)
+    same = rmin == rmax
+    mult = torch.where(same, torch.ones_like(rmin), (QMAX - QMIN) / torch.where(same, 1.0, rmax - rmin))
+    lo, hi = rmin * mult, rmax * mult            # the range in quantized units (fp32 products, as in C)
+    # TFLite's nudge: the zero point from the end whose error is smaller
+    zp = torch.where((QMIN + lo) + (QMAX + hi) > 0, QMIN - lo, QMAX - hi)
+    zp = torch.round(zp.clamp(QMIN, QMAX))       # lrintf: half to even, as torch.round
+    if unsigned:
+        zp = zp + 128
+    return mult, 1.0 / mult, zp.to(torch.int32)  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
+
+
+def quantize_rows(x: torch.Tensor, mult: torch.Tensor, zp: torch.Tensor, unsigned: bool = True) -> torch.Tensor:
+    """The quantized activations (integer values, as float64): sat(rne(x * m) + zp)."""
+    lo, hi = (0, 255) if unsigned else (QMIN, QMAX)
+    q = torch.round(x * mult[:, None]).double() + zp[:, None].double()
+    return q.clamp(lo, hi)
+
+
+# --- fp32 arithmetic that matches the kernels -----------------------------------------------------------------
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c with one rounding (vfmadd), for fp32 a, b, c.
+
+    a * b is exact in float64; the sum is rounded to odd in float64 (round to nearest, then, if inexact and the
+    result is even, one step towards the exact value), which then rounds to fp32 exactly as a single rounding would.
+    """
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    t = s - p
+    err = (p - (s - t)) + (c - t)                # TwoSum: p + c == s + err exactly
+    even = (s.view(torch.int64) & 1) == 0
+    towards = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    s = torch.where((err != 0) & even, torch.nextafter(s, towards), s)
+    return s.float()
+
+
+def bf16(t: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to bf16 (nearest even, as torch's .to(bfloat16) in the serializer) and back."""
+    return t.to(torch.bfloat16).float()
+
+
+# --- the two GEMMs --------------------------------------------------------------------------------------------
+
+def packed_ksum(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The qb4w packing's fp32 ksum per output channel: 0 - sum_chunk(ksum_chunk * bf16 scale), chunk by chunk."""
+    n, k = w.shape
+    chunks = w.reshape(n, k // KSUM_CHUNK, KSUM_CHUNK).sum(-1).float()
+    acc = torch.zeros(n)
+    for c in range(k // KSUM_CHUNK):
+        acc = acc - chunks[:, c] * scale[:, (c * KSUM_CHUNK) // group]
+    return acc
+
+
+class QB4WLinear(nn.Module):
+    """qd8-f32-qb4w: int8 activations per row, int4 weights in groups with bf16 scales."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias, unsigned: bool = True):
+        super().__init__()
+        n, k = qdata.shape
+        self.group = k // scale.shape[1]
+        if self.group % KSUM_CHUNK or k % self.group:
+            raise ValueError(f"group {self.group} of a {k}-wide qb4w linear")
+        self.unsigned = unsigned
+        s = bf16(scale.float())
+        self.register_buffer("w16", (qdata.double() * 16))                 # the kernel's (nibble << 4)
+        self.register_buffer("scale16", bf16(s / 16))                      # packed as bf16(scale / 16)
+        self.register_buffer("ksum", packed_ksum(qdata.to(torch.int64), s, self.group))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, k = x.shape, self.w16.shape[1]
+        x2 = x.reshape(-1, k).float()
+        mult, dq, zp = row_qparams(x2, self.unsigned)
+        a = quantize_rows(x2, mult, zp, self.unsigned)
+        out = self.ksum[None, :] * zp.float()[:, None]                     # the running sum starts at ksum * zp
+        for g in range(k // self.group):
+            cols = slice(g * self.group, (g + 1) * self.group)
+            acc = (a[:, cols] @ self.w16[:, cols].T).float()                # exact int32 dot, then cvtdq2ps
+            out = fma32(acc, self.scale16[:, g][None, :], out)
+        out = out * dq[:, None]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*shape[:-1], -1).to(x.dtype)
+
+
+class QC8WLinear(nn.Module):
+    """qd8-f32-qc8w: int8 activations per row, int8 weights per output channel with fp32 scales."""
+
+    def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias, unsigned: bool = True):
+        super().__init__()
+        self.unsigned = unsigned
+        self.register_buffer("w", qdata.double())
+        self.register_buffer("scale", scale.float().reshape(-1))
+        b = torch.zeros_like(self.scale) if bias is None else bias.detach().float()
+        self.register_buffer("bias_packed", b)                            # no bias: the packed bias is 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, k = x.shape, self.w.shape[1]
+        x2 = x.reshape(-1, k).float()
+        mult, dq, zp = row_qparams(x2, self.unsigned)
+        a = quantize_rows(x2, mult, zp, self.unsigned)
+        acc = ((a - zp.double()[:, None]) @ self.w.T).float()              # ksum * zp + dot, exact, then cvtdq2ps
+        out = fma32(acc * dq[:, None], self.scale[None, :], self.bias_packed[None, :])
+        return out.reshape(*shape[:-1], -1).to(x.dtype)
+
+
+# --- the swap -------------------------------------------------------------------------------------------------
+
+def _dynamic_weight(m: nn.Module):
+    """The torchao weight of a dynamic-activation linear, or None."""
+    w = getattr(m, "weight", None)
+    if not isinstance(m, nn.Linear) or not all(hasattr(w, a) for a in ("qdata", "scale", "block_size")):
+        return None
+    return w if getattr(w, "activation_quantization", None) is not None else None
+
+
+def xnnpack_linear(m: nn.Linear, unsigned: bool = True) -> nn.Module:
+    """The XNNPACK form of one torchao dynamic-activation linear."""
+    w = _dynamic_weight(m)
+    if list(w.block_size)[0] != 1:
+        raise ValueError(f"unsupported weight block size {w.block_size}")
+    if w.zero_point is not None and bool((w.zero_point != 0).any()):
+        raise ValueError("XNNPACK's dynamic linears take symmetric weights (zero points 0)")
+    scale = w.scale.reshape(w.qdata.shape[0], -1)
+    if w.target_dtype == torch.int4:       # ExecuTorch lowers 4-bit weights as qb4w, per channel = one group
+        return QB4WLinear(w.qdata, scale, m.bias, unsigned)
+    if scale.shape[1] != 1:
+        raise ValueError("XNNPACK runs 8-bit weights under dynamic activations per output channel only")
+    return QC8WLinear(w.qdata, scale[:, 0], m.bias, unsigned)
+
+
+def reference(module: nn.Module, unsigned: bool = True) -> nn.Module:
+    """A deep copy of a quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's
+    GEMMs do (qdu8 activations by default, as on x86 with AVX-512 VNNI; unsigned=False for qd8)."""
+    ref = copy.deepcopy(module)
+    for parent in list(ref.model.modules()):
+        for name, child in list(parent.named_children()):
+            if _dynamic_weight(child) is not None:
+                setattr(parent, name, xnnpack_linear(child, unsigned))
+    return ref

@@ -1,0 +1,30 @@
+"""The verify gate fails a deliberately broken program (export.fault, pipeline/model/faults.py) while the same
+build without the fault passes: tiny random models, each scheme's gate (bench/gate_calibration.py does the same on
+the real models and calibrates the thresholds)."""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.errors import StageError
+from tests.helpers import build
+
+CASES = {
+    "fp32 (exact gate)": ("tiny_llama_xnnpack",),
+    "8da4w (dynamic gate)": ("tiny_llama_xnnpack_8da4w",),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("fault", ["layer_permuted", "group_scale_doubled", "heads_swapped"])
+def test_a_broken_program_fails_the_gate(case, fault):
+    assert build(*CASES[case])["status"] == "ok"  # the same build without the fault passes
+    with pytest.raises(StageError, match="stage verify failed: verify gate failed"):
+        build(*CASES[case], f"export.fault={fault}")
+
+
+def test_a_ring_one_slot_short_fails_the_gate():
+    """Rings of window + chunk - 2 slots: the prompt that crosses the chunk wraps them (tiny gemma3: window 16,
+    chunk 8, context 64)."""
+    assert build("tiny_gemma3_custom")["status"] == "ok"
+    with pytest.raises(StageError, match="stage (verify|lower) failed"):
+        build("tiny_gemma3_custom", "export.fault=ring_one_short")
