@@ -127,6 +127,9 @@ class QuantizeConfig:
     lm_head_group_size: int = 0               # 0 = per output channel (used when lm_head is set)
     overrides: List[ModuleOverride] = field(default_factory=list)  # first match wins; before `linear`
     algorithm: QuantAlgorithm = QuantAlgorithm.minmax
+    # a GGUF source: where the scheme holds the file's own grid exactly (Q8_0 -> 8 bits in groups of 32; Q4_0, and
+    # on backends with asymmetric weights Q4_1 -> 4 bits in groups of 32), carry it instead of re-quantizing
+    source_grid: bool = False
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
 
 

@@ -68,6 +68,9 @@ def quantize_problems(cfg) -> Problems:
             out.append(("quantize.algorithm", v(q.algorithm), "nvfp4 has its own scales: allowed ['minmax']"))
         if group < 0:
             out.append((group_key, group, "must be >= 0 (0 = per channel)"))
+    if q.source_grid and v(cfg.model.source) != "gguf":
+        out.append(("quantize.source_grid", True, f"carries a GGUF file's own blocks: needs model.source=gguf "
+                    f"(is {v(cfg.model.source)!r})"))
     return out
 
 

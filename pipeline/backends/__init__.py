@@ -3,6 +3,7 @@
 Each declares:
     RUNTIME: str             -- the runtime that runs its programs here (pipeline/runtimes/<RUNTIME>)
     NATIVE_RUNNER: bool      -- the C++ runners (native/) run its programs
+    ASYMMETRIC_WEIGHTS: bool -- its quantized weights keep a zero point (quantize.source_grid carries Q4_1 there)
     refuses(scheme, group)   -- why this backend cannot build a quantization scheme, or None (preflight asks)
     setup()                  -- register the ops its programs and its lowering need
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 RUNTIME = "executorch"
+ASYMMETRIC_WEIGHTS = False  # kept simple: the schemes it runs are symmetric
 NATIVE_RUNNER = True
 
 

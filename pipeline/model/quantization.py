@@ -93,8 +93,37 @@ def linear_plan(model: nn.Module, q, retie: bool) -> dict[tuple[str, int], list[
     return plan
 
 
-def quantize_module(module: nn.Module, q) -> dict:
-    """Quantize a wrapped module in place; returns a report."""
+def weight_error(quantized: torch.Tensor, original: torch.Tensor) -> float:
+    """Relative RMS error of a quantized weight against the float weight it came from."""
+    w = quantized.dequantize() if hasattr(quantized, "dequantize") else quantized
+    return float((w.float() - original).norm() / original.norm().clamp_min(1e-30))
+
+
+def carry_source_grid(model: nn.Module, source, originals: dict, asymmetric_ok: bool) -> list[str]:
+    """Swap in the source file's own blocks where the chosen scheme holds them exactly (pipeline/model/
+    source_grid.py; `originals`: name -> the float weight before quantization); returns the names carried."""
+    from pipeline.model.source_grid import gguf_name
+    cfg = model.config.get_text_config()
+    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    modules = dict(model.named_modules())
+    carried = []
+    for name, original in originals.items():
+        w = modules[name].weight
+        if getattr(w, "target_dtype", None) not in (torch.int4, torch.int8):
+            continue
+        new = source.carried(gguf_name(name, tied), original, 8 if w.target_dtype == torch.int8 else 4,
+                             w.block_size[1], asymmetric_ok, w.activation_quantization,
+                             next((h for k, h in heads.items() if name.endswith(k)), None))
+        if new is not None:
+            modules[name].weight = nn.Parameter(new, requires_grad=False)
+            carried.append(name)
+    return carried
+
+
+def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = False) -> dict:
+    """Quantize a wrapped module in place; returns a report. With `source` (the model's GGUF, SourceGrid) and
+    quantize.source_grid, weights whose scheme holds the file's own grid exactly carry it instead."""
     from torchao.quantization import quantize_
 
     model = module.model
@@ -109,16 +138,28 @@ def quantize_module(module: nn.Module, q) -> dict:
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
     report = {"linear": v(q.linear), "embedding": emb, "lm_head": head_scheme(q)[0], "algorithm": algorithm,
               "tied_in_model": tied, "retied": False, "linear_layers": 0, "embedding_layers": 0, "by_scheme": {}}
+    plan = linear_plan(model, q, retie)
+    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and emb != "none"]
+    targets += [n for names in plan.values() for n in names]
+    modules = dict(model.named_modules())
+    originals = {n: modules[n].weight.detach().clone() for n in targets}
     if emb != "none":
         quantize_(model, torchao_config(emb, q.embedding_group_size, algorithm),
                   filter_fn=lambda m, _: isinstance(m, nn.Embedding))
         report["embedding_layers"] = sum(isinstance(m, nn.Embedding) for m in model.modules())
-    for (scheme, group), names in linear_plan(model, q, retie).items():
+    for (scheme, group), names in plan.items():
         chosen = set(names)
         quantize_(model, torchao_config(scheme, group, algorithm),
                   filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
         report["by_scheme"][f"{scheme} g{group}"] = len(names)
         report["linear_layers"] += len(names)
+    carried = carry_source_grid(model, source, originals, asymmetric_ok) if q.source_grid and source else []
+    modules = dict(model.named_modules())
+    errors = {n: weight_error(modules[n].weight, originals[n]) for n in targets}
+    report["weights"] = {"quantized": len(targets), "carried": len(carried),
+                         "rel_rms_mean": _mean(errors.values()),
+                         "rel_rms_max": max(errors.values(), default=0.0),
+                         "requantized_rel_rms_mean": _mean(e for n, e in errors.items() if n not in carried)}
     if retie:
         head.weight = embed.weight
         report["retied"] = True
@@ -126,3 +167,8 @@ def quantize_module(module: nn.Module, q) -> dict:
         # torchao sets a per-instance extra_repr (a partial), which pickle cannot save
         m.__dict__.pop("extra_repr", None)
     return report
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pipeline.report.progress import spinner
 from pipeline.store.files import sha256_file
 
 NAME, VERSION = "download", 1
+SOURCE_GGUF = "source.gguf"  # a GGUF source's own file, beside the dequantized model
 AFTER: tuple[str, ...] = ()
 CONFIG_KEYS = ("model",)
 
@@ -84,8 +86,18 @@ def _gguf(m, ctx, out: Path) -> dict:
     with spinner("save safetensors", ctx.progress):
         model.save_pretrained(out)
         tok.save_pretrained(out)
+    # the file itself stays in the entry: quantize.source_grid carries its blocks
+    _keep(path, ctx.out / SOURCE_GGUF)
     shutil.rmtree(scratch)
     return info
+
+
+def _keep(src: Path, dst: Path) -> None:
+    """A hard link when the file system allows it (a package's file never changes), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 # model.source -> how its files arrive (the sources and their geometry: pipeline/model/sources.py)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pipeline.config import v
 
 RUNTIME = "mlx"           # no MLX runtime on Linux: our interpreter of the delegate payload
+ASYMMETRIC_WEIGHTS = True   # affine quantized matmul: scale + bias per group
 NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
 
 

@@ -7,6 +7,7 @@ import logging
 from pipeline.config import v
 
 RUNTIME = "executorch"
+ASYMMETRIC_WEIGHTS = False  # its int weights are symmetric (a zero point would be dropped)
 NATIVE_RUNNER = True
 WEIGHT_ONLY_BITS = {"4w": 4, "8w": 8}
 

@@ -54,14 +54,17 @@ def row_qparams(x: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, t
     rmin = torch.clamp(x.amin(-1), max=0.0)      # the range always includes 0
     rmax = torch.clamp(x.amax(-1), min=0.0)
     same = rmin == rmax
-    mult = torch.where(same, torch.ones_like(rmin), (QMAX - QMIN) / torch.where(same, 1.0, rmax - rmin))
+    # a true fp32 division (a python number over a tensor would be torch's reciprocal-then-multiply: 1 ulp off)
+    span = torch.full_like(rmin, QMAX - QMIN)
+    mult = torch.where(same, torch.ones_like(rmin), torch.div(span, torch.where(same, 1.0, rmax - rmin)))
     lo, hi = rmin * mult, rmax * mult            # the range in quantized units (fp32 products, as in C)
     # TFLite's nudge: the zero point from the end whose error is smaller
     zp = torch.where((QMIN + lo) + (QMAX + hi) > 0, QMIN - lo, QMAX - hi)
     zp = torch.round(zp.clamp(QMIN, QMAX))       # lrintf: half to even, as torch.round
     if unsigned:
         zp = zp + 128
-    return mult, 1.0 / mult, zp.to(torch.int32)  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
+    dq = torch.div(torch.ones_like(mult), mult)  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
+    return mult, dq, zp.to(torch.int32)
 
 
 def quantize_rows(x: torch.Tensor, mult: torch.Tensor, zp: torch.Tensor, unsigned: bool = True) -> torch.Tensor:
