@@ -26,7 +26,9 @@ from common import ROOT, build, gguf_file
 
 # per model: row name -> pipeline overrides (our own builds)
 DOWN_8BIT = "+quantize.overrides=[{pattern:'*.mlp.down_proj',scheme:8da8w,group_size:0}]"
-HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quantize.lm_head=8da8w"]
+# the embedding at 8 bits in groups of 32 holds the file's Q8_0 grid: carried, not re-quantized
+HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quantize.source_grid=true",
+             "quantize.lm_head=8da8w"]
 BUILDS = {
     "smollm2": {
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
@@ -36,7 +38,11 @@ BUILDS = {
         "8da4w hqq, 8-bit embedding + lm_head + down_proj": ["recipe=smollm2_custom", *HEAD_8BIT,
                                                              "quantize.algorithm=hqq", DOWN_8BIT],
         "8da8w, 8-bit embedding": ["recipe=smollm2_custom", "quantize.linear=8da8w", "quantize.linear_group_size=0",
-                                   "quantize.embedding=8w", "quantize.embedding_group_size=32"],
+                                   "quantize.embedding=8w", "quantize.embedding_group_size=32",
+                                   "quantize.source_grid=true"],
+        "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
+            "recipe=llama_mlx_int4", "quantize.embedding=8w", "quantize.lm_head=8w", "quantize.lm_head_group_size=32",
+            "quantize.source_grid=true"],
     },
     "gemma3": {
         "8da4w, 4w embedding (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
@@ -46,7 +52,7 @@ BUILDS = {
                                                              "quantize.algorithm=hqq", DOWN_8BIT],
         "8da8w, 8-bit embedding": ["recipe=gemma3_offgraph_8da4w", "quantize.linear=8da8w",
                                    "quantize.linear_group_size=0", "quantize.embedding=8w",
-                                   "quantize.embedding_group_size=32"],
+                                   "quantize.embedding_group_size=32", "quantize.source_grid=true"],
     },
 }
 # llama.cpp's file types (llama_ftype) for llama_model_quantize

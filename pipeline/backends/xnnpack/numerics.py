@@ -115,30 +115,30 @@ class QB4WLinear(nn.Module):
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias, unsigned: bool = True):
         super().__init__()
-        n, k = qdata.shape
+        k = qdata.shape[1]
         self.group = k // scale.shape[1]
         if self.group % KSUM_CHUNK or k % self.group:
             raise ValueError(f"group {self.group} of a {k}-wide qb4w linear")
         self.unsigned = unsigned
-        s = bf16(scale.float())
-        self.register_buffer("w16", (qdata.double() * 16))                 # the kernel's (nibble << 4)
-        self.register_buffer("scale16", bf16(s / 16))                      # packed as bf16(scale / 16)
+        s = bf16(scale.float())                                           # ExecuTorch serializes the scales as bf16
+        self.register_buffer("qdata", qdata.to(torch.int8).contiguous())
+        self.register_buffer("scale16", bf16(s / 16))                     # packed as bf16(scale / 16): nibble << 4
         self.register_buffer("ksum", packed_ksum(qdata.to(torch.int64), s, self.group))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, k = x.shape, self.w16.shape[1]
+        shape, k = x.shape, self.qdata.shape[1]
         x2 = x.reshape(-1, k).float()
         mult, dq, zp = row_qparams(x2, self.unsigned)
         a = quantize_rows(x2, mult, zp, self.unsigned)
-        out = self.ksum[None, :] * zp.float()[:, None]                     # the running sum starts at ksum * zp
+        out = self.ksum[None, :] * zp.float()[:, None]                    # the running sum starts at ksum * zp
         for g in range(k // self.group):
             cols = slice(g * self.group, (g + 1) * self.group)
-            acc = (a[:, cols] @ self.w16[:, cols].T).float()                # exact int32 dot, then cvtdq2ps
+            acc = (a[:, cols] @ (self.qdata[:, cols].double() * 16).T).float()  # exact int32 dot, then cvtdq2ps
             out = fma32(acc, self.scale16[:, g][None, :], out)
-        out = out * dq[:, None]
+        out = out * dq[:, None]                                           # the row's scale after all groups
         if self.bias is not None:
-            out = out + self.bias
+            out = out + self.bias                                         # the bias last, a separate add
         return out.reshape(*shape[:-1], -1).to(x.dtype)
 
 
@@ -148,17 +148,18 @@ class QC8WLinear(nn.Module):
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias, unsigned: bool = True):
         super().__init__()
         self.unsigned = unsigned
-        self.register_buffer("w", qdata.double())
-        self.register_buffer("scale", scale.float().reshape(-1))
+        self.register_buffer("qdata", qdata.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.float().reshape(-1))          # fp32, as serialized
         b = torch.zeros_like(self.scale) if bias is None else bias.detach().float()
-        self.register_buffer("bias_packed", b)                            # no bias: the packed bias is 0
+        self.register_buffer("bias_packed", b)                           # no bias: the packed bias is 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, k = x.shape, self.w.shape[1]
+        shape, k = x.shape, self.qdata.shape[1]
         x2 = x.reshape(-1, k).float()
         mult, dq, zp = row_qparams(x2, self.unsigned)
         a = quantize_rows(x2, mult, zp, self.unsigned)
-        acc = ((a - zp.double()[:, None]) @ self.w.T).float()              # ksum * zp + dot, exact, then cvtdq2ps
+        # int32 ksum * zp + dot = sum (q - zp) * w exactly; cvtdq2ps; times the row's scale; one fma
+        acc = ((a - zp.double()[:, None]) @ self.qdata.double().T).float()
         out = fma32(acc * dq[:, None], self.scale[None, :], self.bias_packed[None, :])
         return out.reshape(*shape[:-1], -1).to(x.dtype)
 
@@ -192,7 +193,7 @@ def reference(module: nn.Module, unsigned: bool = True) -> nn.Module:
     """A deep copy of a quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's
     GEMMs do (qdu8 activations by default, as on x86 with AVX-512 VNNI; unsigned=False for qd8)."""
     ref = copy.deepcopy(module)
-    for parent in list(ref.model.modules()):
+    for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
             if _dynamic_weight(child) is not None:
                 setattr(parent, name, xnnpack_linear(child, unsigned))
