@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's pipeline, whatever `pip install -e` points at
 
 
 def build(overrides: list[str], verify: bool = False) -> dict:

@@ -63,7 +63,7 @@ def row_qparams(x: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, t
     zp = torch.round(zp.clamp(QMIN, QMAX))       # lrintf: half to even, as torch.round
     if unsigned:
         zp = zp + 128
-    dq = torch.div(torch.ones_like(mult), mult)  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
+    dq = (rmax - rmin) / 255 + 0 * mult  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
     return mult, dq, zp.to(torch.int32)
 
 
