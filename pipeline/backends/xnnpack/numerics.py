@@ -1,11 +1,11 @@
 """What an XNNPACK dynamically quantized linear computes, in torch: a reference for 8da4w / 8da8w builds.
 
 Why: torchao's eager `Int8DynamicActivationIntxWeightConfig` linear is an emulation (quantize-dequantize the
-activations per row with `choose_qparams_affine` / `quantize_affine`, dequantize the weights with fp32 scales,
-fp32 `F.linear`). XNNPACK's qd8-f32-qb4w / qd8-f32-qc8w GEMMs choose the activation parameters another way, store
-4-bit group scales as bf16 and compute in int32 with their own float epilogue, so the program and torchao's module
-differ by far more than float rounding. `reference(module)` swaps every such linear for one that follows XNNPACK
-step by step, so a verify can tell "the program is XNNPACK's numerics" from "the program is wrong".
+activations per row with `choose_qparams_affine` / `quantize_affine`, dequantize the weights with fp32 scales, fp32
+`F.linear`). XNNPACK's qd8-f32-qb4w / qd8-f32-qc8w GEMMs store 4-bit group scales as bf16, derive the activation
+parameters their own way and compute in int32 with their own fp32 epilogue. `reference(module)` swaps every such
+linear for one that follows XNNPACK step by step: on the same input it gives the program's output bit for bit
+(tests/backends/test_xnnpack_numerics.py), so a verify can tell "XNNPACK's numerics" from "a wrong program".
 
 What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; these paths have not changed since):
 - Per-row activation parameters, src/xnnpack/quantization.h `xnn_qd8_asymmetric_quantization_params`: the row's
@@ -32,9 +32,15 @@ What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; thes
   one fma with the channel scale and the bias. 4-bit per channel weights are lowered as qb4w with one group.
 
 Exact integer sums do not depend on order, so those are computed with float64 matmuls (exact at these sizes); every
-fp32 step is done in the order above, the fmas correctly rounded. What stays eager (norms, attention, rope, the
-embeddings) is left as it is: their last-bit differences from XNNPACK's kernels still flip an activation rounding now
-and then, so the reference is closer to the program than torchao's module is, not bit-identical to it.
+fp32 step is done in the order above, the fmas correctly rounded. The order and the qdu8 epilogue are those of the
+x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other orders: last-bit differences there).
+
+How much each part matters: the bf16 group scales are nearly all of torchao's gap to an 8da4w program. The int8
+activations themselves agree with torchao's except at near-ties (about 1 row in 100-1500 differs, by one step in one
+or two elements), and the rest (1 / m, the epilogue order, qdu8) is last-bit. What stays eager (norms, attention,
+rope, SiLU, the embeddings) is left as it is: XNNPACK's own rsqrt / sigmoid / sin / cos / softmax / bmm differ from
+torch's in the last bits and flip an activation rounding now and then, so end to end the reference is closer to the
+program than torchao's module, not identical to it.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ def row_qparams(x: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, t
     zp = torch.round(zp.clamp(QMIN, QMAX))       # lrintf: half to even, as torch.round
     if unsigned:
         zp = zp + 128
-    dq = (rmax - rmin) / 255 + 0 * mult  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
+    dq = torch.div(torch.ones_like(mult), mult)  # the GEMM dequantizes with 1/m (fp32), not (max - min) / 255
     return mult, dq, zp.to(torch.int32)
 
 
@@ -166,7 +172,7 @@ class QC8WLinear(nn.Module):
 
 # --- the swap -------------------------------------------------------------------------------------------------
 
-def _dynamic_weight(m: nn.Module):
+def dynamic_weight(m: nn.Module):
     """The torchao weight of a dynamic-activation linear, or None."""
     w = getattr(m, "weight", None)
     if not isinstance(m, nn.Linear) or not all(hasattr(w, a) for a in ("qdata", "scale", "block_size")):
@@ -176,8 +182,8 @@ def _dynamic_weight(m: nn.Module):
 
 def xnnpack_linear(m: nn.Linear, unsigned: bool = True) -> nn.Module:
     """The XNNPACK form of one torchao dynamic-activation linear."""
-    w = _dynamic_weight(m)
-    if list(w.block_size)[0] != 1:
+    w = dynamic_weight(m)
+    if w.block_size[0] != 1:
         raise ValueError(f"unsupported weight block size {w.block_size}")
     if w.zero_point is not None and bool((w.zero_point != 0).any()):
         raise ValueError("XNNPACK's dynamic linears take symmetric weights (zero points 0)")
@@ -195,6 +201,6 @@ def reference(module: nn.Module, unsigned: bool = True) -> nn.Module:
     ref = copy.deepcopy(module)
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
-            if _dynamic_weight(child) is not None:
+            if dynamic_weight(child) is not None:
                 setattr(parent, name, xnnpack_linear(child, unsigned))
     return ref

@@ -1,0 +1,93 @@
+"""Does the verify gate tell right from wrong? Correct builds of both models in several schemes, and deliberately
+broken variants of them (export.fault: a late layer's rows permuted, one group's scale doubled, two query heads
+swapped), each verified; prints every build's figures against its same-quantization reference and the gate's
+verdict, and the margin between the worst correct build and the best broken one per gate.
+
+    python bench/gate_calibration.py                       # both models (several hours cold: each build lowers)
+    python bench/gate_calibration.py --models smollm2
+
+The thresholds (conf/verify/default.yaml) are set from this table; its figures are written beside them.
+Writes outputs/bench/gate.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from common import ROOT
+
+# per model: build name -> (pipeline overrides, gate it gets)
+GOOD = {
+    "smollm2": {
+        "fp32 (smollm2_custom, none)": ["recipe=smollm2_custom", "quantize=none"],
+        "8da4w (smollm2_custom)": ["recipe=smollm2_custom"],
+        "8da8w": ["recipe=smollm2_custom", "quantize.linear=8da8w", "quantize.linear_group_size=0"],
+    },
+    "gemma3": {
+        "fp32 (gemma3_offgraph)": ["recipe=gemma3_offgraph"],
+        "8da4w (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
+    },
+}
+FAULTS = ("layer_permuted", "group_scale_doubled", "heads_swapped")
+FIGURES = ("greedy_match", "greedy_total", "max_logit_err", "top1", "kld")
+
+
+def verify(overrides: list[str]) -> dict:
+    """Build and verify; the gate's verdict and the report's figures, whether it passed or not."""
+    r = subprocess.run([sys.executable, "-m", "pipeline", *overrides, "run.progress=false"], cwd=ROOT,
+                       capture_output=True, text=True)
+    lines = r.stdout.strip().splitlines()
+    if not lines or not lines[-1].startswith("manifest: "):
+        sys.exit(f"build {' '.join(overrides)} did not reach verify:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    run = Path(lines[-1].split(": ", 1)[1]).parent
+    report = next((p for p in (run / "verify" / "report.json", run / "failed-verify" / "report.json")
+                   if p.exists()), None)
+    if report is None:
+        sys.exit(f"build {' '.join(overrides)} failed before verify:\n{r.stderr[-2000:]}")
+    rep = json.loads(report.read_text())
+    same = rep["summary"].get("same_quant") or _summarize(rep["prompts"])
+    return {"passed": rep["passed"], "gate": rep["summary"].get("gate"), **{k: same[k] for k in FIGURES},
+            "problems": [x for p in rep["problems"] for x in p["problems"]][:4]}
+
+
+def _summarize(prompts: list) -> dict:
+    """A failed verify's report keeps the per-prompt figures only."""
+    return {"greedy_match": sum(p["same_quant"]["greedy_match"] for p in prompts),
+            "greedy_total": sum(len(p["reference"]) for p in prompts),
+            "max_logit_err": max(p["same_quant"]["max_logit_err"] for p in prompts),
+            "top1": sum(p["same_quant"]["top1"] for p in prompts) / len(prompts),
+            "kld": sum(p["same_quant"]["kld"] for p in prompts) / len(prompts)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2,gemma3")
+    args = ap.parse_args()
+    out = ROOT / "outputs" / "bench" / "gate.json"
+    rows = json.loads(out.read_text()) if out.exists() else []
+    for model in args.models.split(","):
+        for name, overrides in GOOD[model].items():
+            for fault in (None, *FAULTS):
+                row = {"model": model, "build": name, "fault": fault,
+                       **verify(overrides + ([f"export.fault={fault}"] if fault else []))}
+                rows = [r for r in rows if (r["model"], r["build"], r["fault"]) != (model, name, fault)] + [row]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(rows, indent=2))
+                print(f"{model:8} {name:34} {str(fault):20} {'PASS' if row['passed'] else 'fail'}  gate {row['gate']}"
+                      f"  greedy {row['greedy_match']}/{row['greedy_total']}  max|dlogit| {row['max_logit_err']:.3g}"
+                      f"  top-1 {row['top1']:.3f}  KLD {row['kld']:.3g}", flush=True)
+    for gate in sorted({r["gate"] for r in rows}):
+        good = [r for r in rows if r["gate"] == gate and r["fault"] is None]
+        bad = [r for r in rows if r["gate"] == gate and r["fault"] is not None]
+        if good and bad:
+            print(f"\ngate {gate}: worst correct KLD {max(r['kld'] for r in good):.3g}, top-1 "
+                  f"{min(r['top1'] for r in good):.3f}; best broken KLD {min(r['kld'] for r in bad):.3g}, top-1 "
+                  f"{max(r['top1'] for r in bad):.3f}; broken builds passed: {sum(r['passed'] for r in bad)}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
