@@ -79,7 +79,7 @@ def test_cache_modes_declare_their_interface(name):
 def test_backends_declare_their_interface(name):
     b = BACKENDS[name]
     assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.ASYMMETRIC_WEIGHTS, bool)
-    for fn in ("refuses", "setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime"):
+    for fn in ("refuses", "reference", "setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime"):
         assert callable(getattr(b, fn)), fn
 
 

@@ -10,6 +10,8 @@ Each declares:
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower
     executorch_config(cfg)   -- the ExecutorchBackendConfig of to_executorch
     handover(model, q)       -- the forms its lowering gets right, for the transformers exporter's route
+    reference(module)        -- the eager module that computes what its programs compute (verify's same-quant
+                                reference; XNNPACK's dynamic linears differ from torchao's emulation)
     cross_check_runtime(mode) -- another runtime verify also compares against, when this machine has one
 """
 from __future__ import annotations

@@ -34,5 +34,10 @@ def handover(model, q) -> dict:
     raise NotImplementedError("the transformers exporter has no portable backend")
 
 
+def reference(module):
+    """The eager module that computes what this backend's program computes: torchao's own forms do."""
+    return module
+
+
 def cross_check_runtime(mode) -> None:
     return None

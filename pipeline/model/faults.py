@@ -5,7 +5,8 @@ measures the program against:
     python -m pipeline recipe=tiny_llama_xnnpack_8da4w export.fault=heads_swapped     # verify must fail
 
 - layer_permuted: a late layer's down_proj has its output rows permuted;
-- group_scale_doubled: one group of one row of a mid layer's up_proj weighs twice as much (its scale doubled);
+- group_scale_doubled: a mid layer's up_proj has one group's scales doubled (its first 32 input channels, every
+  row);
 - heads_swapped: two query heads of a late layer's q_proj are swapped;
 - ring_one_short: cache.mode=custom, the sliding layers' rings hold one slot fewer than window + chunk - 1.
 """
@@ -50,10 +51,10 @@ def group_scale_doubled(module) -> str:
     up = _layers(module.model)[layer].mlp.up_proj
     w = up.weight
     if hasattr(w, "qdata"):
-        w.scale.view(w.scale.shape[0], -1)[0, 0] *= 2
+        w.scale.view(w.scale.shape[0], -1)[:, 0] *= 2
     else:
-        w.data[0, :32] *= 2
-    return f"layers[{layer}].mlp.up_proj: row 0, group 0 doubled"
+        w.data[:, :32] *= 2
+    return f"layers[{layer}].mlp.up_proj: group 0 (input channels 0-31) doubled in every row"
 
 
 def heads_swapped(module) -> str:

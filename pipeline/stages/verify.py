@@ -187,8 +187,9 @@ def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
     return prompts
 
 
-def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, list]:
-    """Each prompt: the program against both eager references (and the other runtimes that apply)."""
+def check_prompts(ctx, tok, pte, reference, eager_f, eos, other) -> tuple[list, list]:
+    """Each prompt: the program against the same-quantization reference (the eager module as the backend computes
+    it) and against the float model (and the other runtimes that apply)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
     prompts, problems = [], []
@@ -197,15 +198,15 @@ def check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other) -> tuple[list, li
         n = min(vc.max_new_tokens, room)
         if n < 1:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
-        ref, ref_logits = greedy(eager_q, ids, n, chunk, eos)
+        ref, ref_logits = greedy(reference, ids, n, chunk, eos)
         got, _ = greedy(pte, ids, n, chunk, eos)
         same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, teacher_forced(pte, ids, ref, chunk))}
         flt, flt_logits = greedy(eager_f, ids, n, chunk, eos)
         vs_float = {"greedy_match": leading_match(flt, got),
                     **compare(flt_logits, teacher_forced(pte, ids, flt, chunk))}
         # what quantization itself costs (eager, same tokens): the program should cost no more
-        cost = vs_float if eager_q is eager_f else \
-            {"greedy_match": leading_match(flt, ref), **compare(flt_logits, teacher_forced(eager_q, ids, flt, chunk))}
+        cost = vs_float if reference is eager_f else \
+            {"greedy_match": leading_match(flt, ref), **compare(flt_logits, teacher_forced(reference, ids, flt, chunk))}
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
@@ -284,12 +285,14 @@ def run(ctx) -> dict:
             eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
             eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+            # the same quantization as the backend computes it (XNNPACK's bf16 group scales, its activation rounding)
+            reference = BACKENDS[ctx.cfg.backend.name].reference(eager_q)
             pte = open_program(ctx.inputs["lower"], policy=cache_policy(ctx))
         other = cross_check_module(ctx)
-        prompts, problems = check_prompts(ctx, tok, pte, eager_q, eager_f, eos, other)
+        prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other)
     except Unsupported as err:
         return unsupported_status(ctx, err)
-    summary = summarize(prompts, quantized=eager_q is not eager_f)
+    summary = summarize(prompts, quantized=reference is not eager_f)
     summary["gate"] = gate_of(ctx.cfg)
     if vc.fidelity_chunks > 0:
         summary["fidelity"] = corpus_fidelity(ctx, tok, eager_f, pte)

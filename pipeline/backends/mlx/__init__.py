@@ -63,6 +63,11 @@ def handover(model, q) -> dict:
     return done
 
 
+def reference(module):
+    """The eager module that computes what this backend's program computes: torchao's own forms do."""
+    return module
+
+
 def cross_check_runtime(mode) -> str | None:
     """On a Mac (ExecuTorch with MLXBackend registered) verify also runs the real runtime. Not for a runtime-owned
     cache: the MLX runner installs that one, the Python runtime cannot."""

@@ -57,5 +57,14 @@ def handover(model, q) -> dict:
     return transformers_route.handover(model, q)
 
 
+def reference(module):
+    """The eager module that computes what this backend's program computes: the dynamic-activation linears as
+    XNNPACK's GEMMs (numerics.py); without such linears, the module itself."""
+    from pipeline.backends.xnnpack import numerics
+    if not any(numerics.dynamic_weight(m) is not None for m in module.modules()):
+        return module
+    return numerics.reference(module)
+
+
 def cross_check_runtime(mode) -> None:
     return None

@@ -127,7 +127,11 @@ class QB4WLinear(nn.Module):
             raise ValueError(f"group {self.group} of a {k}-wide qb4w linear")
         self.unsigned = unsigned
         s = bf16(scale.float())                                           # ExecuTorch serializes the scales as bf16
+        n = qdata.shape[0]
         self.register_buffer("qdata", qdata.to(torch.int8).contiguous())
+        # [groups, group, out] in float64, for one batched exact dot product per call
+        self.register_buffer("w16", (qdata.double() * 16).reshape(n, k // self.group, self.group).permute(1, 2, 0)
+                             .contiguous(), persistent=False)
         self.register_buffer("scale16", bf16(s / 16))                     # packed as bf16(scale / 16): nibble << 4
         self.register_buffer("ksum", packed_ksum(qdata.to(torch.int64), s, self.group))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
@@ -138,10 +142,11 @@ class QB4WLinear(nn.Module):
         mult, dq, zp = row_qparams(x2, self.unsigned)
         a = quantize_rows(x2, mult, zp, self.unsigned)
         out = self.ksum[None, :] * zp.float()[:, None]                    # the running sum starts at ksum * zp
-        for g in range(k // self.group):
-            cols = slice(g * self.group, (g + 1) * self.group)
-            acc = (a[:, cols] @ (self.qdata[:, cols].double() * 16).T).float()  # exact int32 dot, then cvtdq2ps
-            out = fma32(acc, self.scale16[:, g][None, :], out)
+        groups = k // self.group
+        # every group's exact int32 dot at once ([groups, rows, out]), then cvtdq2ps; the fp32 sum stays in order
+        acc = torch.bmm(a.reshape(-1, groups, self.group).transpose(0, 1), self.w16).float()
+        for g in range(groups):
+            out = fma32(acc[g], self.scale16[:, g][None, :], out)
         out = out * dq[:, None]                                           # the row's scale after all groups
         if self.bias is not None:
             out = out + self.bias                                         # the bias last, a separate add
