@@ -30,6 +30,11 @@ def print_summary(m: dict) -> None:
               f"{(f'{built:.1f}' if built is not None else '-'):>9} "
               f"{(f'{rss:.0f} MiB' if rss else '-'):>10} {_size(_entry_bytes(s.get('path'))):>10}  "
               f"{s['key'][:12]}{'  FAILED' if s.get('status') == 'failed' else ''}")
+    quant = next((s for s in m["stages"] if s["name"] == "quantize" and s.get("metrics")), None)
+    w = (quant or {}).get("metrics", {}).get("weights")
+    if w and w["quantized"]:
+        print(f"  quantized weights {w['quantized']} ({w['carried']} carrying the source's own grid), re-quantization "
+              f"cost: relative RMS {w['requantized_rel_rms_mean']:.3g} mean, {w['rel_rms_max']:.3g} max")
     lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
     if lower:
         mt = lower["metrics"]
@@ -42,13 +47,17 @@ def print_summary(m: dict) -> None:
     if v and v.get("gate"):
         print(f"  verify gate: {v['gate']}")
     if v:
-        for key, label in (("same_quant", "vs same-quant eager"), ("vs_float", "vs float eager"),
-                           ("quant_cost", "(eager quant vs float)")):
+        for key, label in (("same_quant", "vs same-quant reference"), ("vs_float", "vs float eager"),
+                           ("quant_cost", "(reference vs float)")):
             f = v.get(key)
             if not f:
                 continue
             print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
                   f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
+    fid = (v or {}).get("fidelity")
+    if fid:
+        print(f"  fidelity on {fid['tokens']} corpus tokens: KLD mean {fid['kld_mean']:.4g}, p99 {fid['kld_p99']:.3g}, "
+              f"same top-1 {100 * fid['same_top1']:.1f} %, PPL {fid['ppl']:.3f} (float {fid['ppl_float']:.3f})")
     if v and v.get("runtime"):
         cross = f"; also compared with the {v['cross_check']} runtime" if v.get("cross_check") else ""
         print(f"  verify ran on {v['runtime']}{cross}")

@@ -210,11 +210,11 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other) -> tuple[list, 
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
-        found = check(same, gate.same_quant, len(ref), "vs same-quant eager") + \
+        found = check(same, gate.same_quant, len(ref), "vs same-quant reference") + \
             check(vs_float, gate.vs_float, len(flt), "vs float eager")
         ratio = gate.vs_float.max_kld_ratio
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:  # 1e-3: noise floor near 0
-            found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the eager quantized model's "
+            found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the same-quant reference's "
                          f"{cost['kld']:.4g}")
         if other is not None:  # e.g. on a Mac: the real MLX runtime must agree with the interpreter
             name, module = other
