@@ -2,12 +2,12 @@
 
     python -m pipeline recipe=smollm2_xnnpack_8da4w verify.max_new_tokens=32
 
-Two references: the eager module with the same quantization (did export and lowering preserve the
-program? tight thresholds) and the unquantized eager module (what did quantization cost? looser).
-Figures per prompt: greedy token match over N new tokens, and teacher-forced over the reference's
-tokens (so one early drift does not hide everything after it): max abs logit error, top-1 agreement,
-mean KL divergence. Thresholds: the gate that fits the quantization (verify.gate, conf/verify). Then, where they run the
-program, the C++ runners on the same prompt ids: their greedy tokens must equal the Python runtime's.
+Two references: the eager module with the same quantization, as the backend computes it (did export and lowering
+preserve the program? tight thresholds), and the unquantized eager module (what did quantization cost? looser).
+Figures per prompt: greedy token match over N new tokens, and teacher-forced over the reference's tokens (so one
+early drift does not hide everything after it): max abs logit error, top-1 agreement, mean KL divergence.
+Thresholds: the gate that fits the quantization (verify.gate, conf/verify). Then, where they run the program, the
+C++ runners on the same prompt ids: their greedy tokens must equal the Python runtime's.
 """
 from __future__ import annotations
 
