@@ -18,6 +18,9 @@ def refuses(scheme: str, group: int) -> str | None:
     """Why this backend cannot build a quantization scheme (None: it can)."""
     if scheme == "nvfp4":
         return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
+    if scheme == "8da4w" and group % 32:
+        return ("XNNPACK's blockwise 4-bit weights take groups of a multiple of 32 (its serializer asserts it): "
+                "group size 0, 32, 64, ...")
     if scheme == "8da8w" and group > 0:
         return ("XNNPACK runs int8 weights under dynamic activations per output channel only (qd8-f32-qc8w; "
                 "lowering stops at 'Only 4b group quantization is supported'): group size 0")
