@@ -130,6 +130,9 @@ class QuantizeConfig:
     # a GGUF source: where the scheme holds the file's own grid exactly (Q8_0 -> 8 bits in groups of 32; Q4_0, and
     # on backends with asymmetric weights Q4_1 -> 4 bits in groups of 32), carry it instead of re-quantizing
     source_grid: bool = False
+    # SmoothQuant's alpha in (0, 1): move activation outliers into the weights before quantizing (float model
+    # unchanged; pipeline/model/smoothing.py); null: off
+    smoothing: Optional[float] = None
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
 
 

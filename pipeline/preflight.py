@@ -71,6 +71,15 @@ def quantize_problems(cfg) -> Problems:
     if q.source_grid and v(cfg.model.source) != "gguf":
         out.append(("quantize.source_grid", True, f"carries a GGUF file's own blocks: needs model.source=gguf "
                     f"(is {v(cfg.model.source)!r})"))
+    if q.smoothing is not None:
+        if not 0 < q.smoothing < 1:
+            out.append(("quantize.smoothing", q.smoothing, "SmoothQuant's alpha: allowed 0 < alpha < 1, or null (off)"))
+        if q.source_grid:
+            out.append(("quantize.smoothing", q.smoothing, "the source's grid holds the unsmoothed weights: "
+                        "quantize.source_grid=true carries them, so choose one of the two"))
+        if not any(key != "quantize.embedding" and scheme != "none" for key, _, scheme, _ in quantized_parts(q)):
+            out.append(("quantize.smoothing", q.smoothing, "smooths the inputs of quantized linears: none are "
+                        "quantized (quantize.linear / lm_head / overrides)"))
     return out
 
 

@@ -33,9 +33,9 @@ def gemma3_model_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_8da4w() -> dict:
-    """SmolLM2-135M 8da4w on XNNPACK, verified (the run manifest of a `python -m pipeline` build)."""
-    return _ci_build("smollm2_8da4w")
+def smollm2_default() -> dict:
+    """The default build (`python -m pipeline`, no recipe: SmolLM2-135M on XNNPACK), verified; its run manifest."""
+    return _ci_build("smollm2_default")
 
 
 @pytest.fixture(scope="session")

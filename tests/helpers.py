@@ -24,7 +24,7 @@ from pipeline.paths import CONF_DIR, ROOT
 CI_BUILDS = {
     "smollm2_model_dir": {"recipe": "smollm2_xnnpack", "stages": ("download",)},
     "gemma3_model_dir": {"recipe": "gemma3_xnnpack", "stages": ("download",)},
-    "smollm2_8da4w": {"recipe": "smollm2_xnnpack_8da4w"},
+    "smollm2_default": {"recipe": None},  # `python -m pipeline` with no recipe: the default build
     "gemma3_offgraph": {"recipe": "gemma3_offgraph", "overrides": ("export.prefill_chunk=128",)},
     "gemma3_mlx_offgraph": {"recipe": "gemma3_mlx_offgraph", "overrides": ("export.prefill_chunk=128",)},
 }
@@ -41,7 +41,12 @@ def compose_cfg(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def _allowed(recipe: str, overrides: tuple, stages) -> bool:
+def recipe_args(recipe: str | None) -> list[str]:
+    """The command-line selection of a recipe; None is the default composition (no recipe)."""
+    return [] if recipe is None else [f"recipe={recipe}"]
+
+
+def _allowed(recipe: str | None, overrides: tuple, stages) -> bool:
     """A CI build, or the first stages of one (cache hits once it is built)."""
     for b in CI_BUILDS.values():
         if b["recipe"] == recipe and tuple(b.get("overrides", ())) == overrides:
@@ -50,27 +55,28 @@ def _allowed(recipe: str, overrides: tuple, stages) -> bool:
     return False
 
 
-def guard(recipe: str, overrides: tuple, stages: tuple | None = None) -> None:
+def guard(recipe: str | None, overrides: tuple, stages: tuple | None = None) -> None:
     """Fails a CI-tier test that built a real model other than a CI_BUILDS entry (called once stages ran)."""
     if CURRENT["slow"]:
         return
     from pipeline.model import sources
     from pipeline.preflight import parameter_count
     try:
-        geometry = sources.geometry(compose_cfg(f"recipe={recipe}", *overrides).model)
+        geometry = sources.geometry(compose_cfg(*recipe_args(recipe), *overrides).model)
     except Exception:  # a sweep's comma lists do not compose as one config; a source it cannot read built nothing
         return
     if parameter_count(geometry) < REAL_PARAMETERS:
         return
     if not _allowed(recipe, tuple(o for o in overrides if o != "run.progress=false"), stages):
-        pytest.fail(f"{CURRENT['test']}: a real-model build ({recipe} {' '.join(overrides)}) in the CI tier: use one "
-                    f"of the shared builds (tests/helpers.py CI_BUILDS: {sorted(CI_BUILDS)}) or mark the test slow")
+        pytest.fail(f"{CURRENT['test']}: a real-model build ({recipe or '(default)'} {' '.join(overrides)}) in the CI "
+                    f"tier: use one of the shared builds (tests/helpers.py CI_BUILDS: {sorted(CI_BUILDS)}) or mark the "
+                    f"test slow")
 
 
-def build(recipe: str, *overrides: str, stages=None) -> dict:
+def build(recipe: str | None, *overrides: str, stages=None) -> dict:
     """A build in this process; returns its run manifest."""
     from pipeline.session import ORDER, build as _build
-    cfg = compose_cfg(f"recipe={recipe}", "run.progress=false", *overrides)
+    cfg = compose_cfg(*recipe_args(recipe), "run.progress=false", *overrides)
     try:
         return _build(cfg, recipe=recipe, stages=stages or ORDER)
     finally:
@@ -82,7 +88,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     r = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=ROOT, capture_output=True, text=True,
                        timeout=timeout, env={**os.environ, **(env or {})})
     recipe = next((a.split("=", 1)[1] for a in args if a.startswith("recipe=")), None)
-    if recipe is not None and "stage=" in r.stdout + r.stderr:  # stages ran: was it a build the CI tier may make?
+    if "stage=" in r.stdout + r.stderr:  # stages ran: was it a build the CI tier may make?
         guard(recipe, tuple(a for a in args if not a.startswith(("recipe=", "-"))))
     return r
 
@@ -94,9 +100,9 @@ def run_manifest(r: subprocess.CompletedProcess) -> dict:
     return json.loads(Path(lines[-1].split(": ", 1)[1]).read_text())
 
 
-def build_cli(recipe: str, *overrides: str, timeout: int = 3000) -> dict:
+def build_cli(recipe: str | None, *overrides: str, timeout: int = 3000) -> dict:
     """A build in a process of its own, as a user runs it; returns its run manifest."""
-    r = run_cli(f"recipe={recipe}", "run.progress=false", *overrides, timeout=timeout)
+    r = run_cli(*recipe_args(recipe), "run.progress=false", *overrides, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return {**run_manifest(r), "stdout": r.stdout}
 

@@ -14,6 +14,8 @@ def test_an_unlisted_real_build_fails_a_ci_tier_test(monkeypatch):
         helpers.guard("smollm2_xnnpack", ("quantize=8w",))
     with pytest.raises(pytest.fail.Exception, match="mark the test slow"):
         helpers.guard("gemma3_custom", ("export.prefill_chunk=128",))
+    with pytest.raises(pytest.fail.Exception, match=r"\(default\) quantize=none"):
+        helpers.guard(None, ("quantize=none",))                      # the default build, changed, is another build
 
 
 def test_the_shared_builds_and_the_slow_tier_may(monkeypatch):

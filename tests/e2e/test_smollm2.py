@@ -1,4 +1,5 @@
-"""End to end on a real model: SmolLM2-135M-Instruct 8da4w on XNNPACK, built as a user builds it, verified, cached."""
+"""End to end on a real model: the default build (`python -m pipeline`, no recipe: SmolLM2-135M-Instruct on
+XNNPACK), built as a user builds it, verified by the gate calibrated for its scheme, cached."""
 from __future__ import annotations
 
 import json
@@ -6,34 +7,36 @@ import json
 import pytest
 
 from pipeline.runtimes import open_program
-from tests.helpers import CI_BUILDS, run_cli, run_manifest, stage_path
+from pipeline.stages.verify import gate_of
+from tests.helpers import compose_cfg, run_cli, run_manifest, stage_path
 
 pytestmark = pytest.mark.real_model
 
 
-def test_build_verifies_and_answers_paris(smollm2_8da4w):
-    m = smollm2_8da4w
-    assert m["status"] == "ok" and m["recipe"] == CI_BUILDS["smollm2_8da4w"]["recipe"]
+def test_default_build_verifies_and_answers_paris(smollm2_default):
+    m = smollm2_default
+    assert m["status"] == "ok" and m["recipe"] is None
     for key in ("pte", "tokenizer", "model_dir", "stages", "verify"):
         assert m[key]
     assert "KLD" in m["stdout"] and "greedy" in m["stdout"]
     report = json.loads((stage_path(m, "verify") / "report.json").read_text())
     assert report["passed"]
+    assert report["summary"]["gate"] == gate_of(compose_cfg())
     france = report["prompts"][0]
     assert "capital of France" in france["prompt"] and "Paris" in france["pte_text"]
 
 
-def test_pte_names_its_recipe_hash(smollm2_8da4w):
-    m = smollm2_8da4w
+def test_pte_names_its_recipe_hash(smollm2_default):
+    m = smollm2_default
     pte = open_program(stage_path(m, "lower"))
     assert pte.constant("get_recipe_hash") == m["build_hash"]
     assert pte.constant("get_max_seq_len") == m["config"]["export"]["prefill_chunk"]
     assert pte.constant("get_vocab_size") == 49152
 
 
-def test_rerun_is_all_cache_hits(smollm2_8da4w):
-    r = run_cli(f"recipe={CI_BUILDS['smollm2_8da4w']['recipe']}", "run.progress=false")
+def test_rerun_is_all_cache_hits(smollm2_default):
+    r = run_cli("run.progress=false")
     assert r.returncode == 0
     m = run_manifest(r)
     assert [s["cache"] for s in m["stages"]] == ["hit"] * 6
-    assert m["pte"] == smollm2_8da4w["pte"]
+    assert m["pte"] == smollm2_default["pte"]
