@@ -23,20 +23,19 @@ import torch.nn.functional as F
 from pipeline import paths
 
 CORPUS = paths.ROOT / "bench" / "corpus" / "python-reference.txt"
-# the corpus's last tokens calibrate quantization (quantize.smoothing) and are never scored
-CALIBRATION_TOKENS = 2048
+# other topics of the same reference: what calibrates quantization (quantize.smoothing), never scored
+CALIBRATION = paths.ROOT / "bench" / "corpus" / "calibration.txt"
 
 
-def calibration_ids(tokenizer, n_ctx: int = 512, corpus: Path = CORPUS) -> list[list[int]]:
-    """The calibration tail of the corpus, as sequences of at most n_ctx token ids."""
-    tail = tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"][-CALIBRATION_TOKENS:]
-    return [tail[i:i + n_ctx] for i in range(0, len(tail), n_ctx)]
+def calibration_ids(tokenizer, n_ctx: int = 512, text: Path = CALIBRATION) -> list[list[int]]:
+    """The calibration text as sequences of at most n_ctx token ids."""
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
+    return [ids[i:i + n_ctx] for i in range(0, len(ids), n_ctx)]
 
 
 def corpus_chunks(tokenizer, n_ctx: int, n_chunks: int | None = None, corpus: Path = CORPUS) -> list[list[int]]:
-    """The corpus (less its calibration tail) as chunks of n_ctx token ids, each opening with BOS when the
-    tokenizer adds one."""
-    ids = tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"][:-CALIBRATION_TOKENS]
+    """The corpus as chunks of n_ctx token ids, each opening with BOS when the tokenizer adds one."""
+    ids = tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"]
     probe = tokenizer("a")["input_ids"]
     bos = [probe[0]] if tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id else []
     body = n_ctx - len(bos)

@@ -10,8 +10,8 @@ and the matching weight column is multiplied by it. The division is folded into 
 The float model computes the same function (up to rounding). Only what quantization loses changes.
 SmolLM2-135M 8da4w + hqq, eager: corpus KLD 0.31 -> 0.19 at alpha 0.5 (README, Fidelity).
 
-The maxima come from calibration text: the corpus's tail (pipeline/fidelity.py calibration_ids), which the
-fidelity and verify prompts never score.
+The maxima come from calibration text (bench/corpus/calibration.txt: other topics of the reference the fidelity
+corpus comes from), which neither fidelity nor verify scores.
 """
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from pipeline.stages.download import SOURCE_GGUF
 
 NAME, VERSION = "quantize", 1
 AFTER = ("download", "wrap")
+SOURCES = ("bench/corpus/calibration.txt",)  # quantize.smoothing's calibration text
 CONFIG_KEYS = ("quantize", "backend.name")  # whether a backend keeps asymmetric weights decides what is carried
 
 

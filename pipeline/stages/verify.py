@@ -30,7 +30,8 @@ from pipeline.runtimes.base import run_sequence
 NAME, VERSION = "verify", 1
 AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
-SOURCES = ("native/src", "native/CMakeLists.txt")  # the C++ runners it checks against
+SOURCES = ("native/src", "native/CMakeLists.txt",  # the C++ runners it checks against
+           "bench/corpus/python-reference.txt")     # the long prompt and the fidelity chunks
 
 log = logging.getLogger(__name__)
 
