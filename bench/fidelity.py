@@ -29,8 +29,12 @@ DOWN_8BIT = "+quantize.overrides=[{pattern:'*.mlp.down_proj',scheme:8da8w,group_
 # the embedding at 8 bits in groups of 32 holds the file's Q8_0 grid: carried, not re-quantized
 HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quantize.source_grid=true",
              "quantize.lm_head=8da8w"]
+# 4-bit linears after smoothing, the embedding 8-bit per row and re-tied as the lm_head
+SMOOTH_4BIT = ["quantize=8da4w_mixed", "quantize.overrides=[]"]
 BUILDS = {
     "smollm2": {
+        "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
+        "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
         "8da4w, 4w embedding (smollm2_custom)": ["recipe=smollm2_custom"],
         "8da4w, 8-bit embedding + lm_head": ["recipe=smollm2_custom", *HEAD_8BIT],
@@ -45,6 +49,9 @@ BUILDS = {
             "quantize.source_grid=true"],
     },
     "gemma3": {
+        "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": [
+            "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
+        "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
         "8da4w, 4w embedding (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
         "8da4w hqq, 8-bit embedding + lm_head": ["recipe=gemma3_offgraph_8da4w", *HEAD_8BIT,
                                                  "quantize.algorithm=hqq"],

@@ -1,6 +1,6 @@
 """Does the verify gate tell right from wrong? Correct builds of both models in several schemes, and deliberately
 broken variants of them (export.fault: a late layer's rows permuted, one group's scale doubled, two query heads
-swapped), each verified; prints every build's figures against its same-quantization reference and the gate's
+swapped, the rings one slot short), each verified; prints every build's figures against its same-quantization reference and the gate's
 verdict, and the margin between the worst correct build and the best broken one per gate.
 
     python bench/gate_calibration.py                       # both models (several hours cold: each build lowers)
@@ -24,11 +24,13 @@ FAULTS = ("layer_permuted", "group_scale_doubled", "heads_swapped")
 GOOD = {
     "smollm2": {
         "fp32 (smollm2_custom, quantize=none)": (["recipe=smollm2_custom", "quantize=none"], FAULTS),
-        "8da4w (smollm2_custom)": (["recipe=smollm2_custom"], FAULTS),
-        "8da8w": (["recipe=smollm2_custom", "quantize.linear=8da8w", "quantize.linear_group_size=0"], ()),
+        "default (python -m pipeline: 8da4w_mixed, custom)": ([], FAULTS),
+        "8da4w (smollm2_custom)": (["recipe=smollm2_custom"], ("layer_permuted",)),
     },
     "gemma3": {
-        "8da4w (gemma3_offgraph_8da4w)": (["recipe=gemma3_offgraph_8da4w"], FAULTS),
+        "fp32 custom (gemma3_custom, rings)": (["recipe=gemma3_custom"], ("ring_one_short",)),
+        "8da4w_mixed (gemma3_offgraph_8da4w, quantize=8da4w_mixed)": (
+            ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"], ()),
         "fp32 (gemma3_offgraph)": (["recipe=gemma3_offgraph"], ()),
     },
 }
@@ -49,27 +51,34 @@ def verify(overrides: list[str]) -> dict:
         sys.exit(f"build {' '.join(overrides)} failed before verify:\n{r.stderr[-2000:]}")
     rep = json.loads(report.read_text())
     same = rep["summary"].get("same_quant") or _summarize(rep["prompts"])
+    floor = rep["summary"].get("floor") or _summarize(rep["prompts"], "floor")
     return {"passed": rep["passed"], "gate": rep["summary"].get("gate"), **{k: same[k] for k in FIGURES},
+            "floor_kld": floor["kld"] if floor else None,
             "problems": [x for p in rep["problems"] for x in p["problems"]][:4]}
 
 
-def _summarize(prompts: list) -> dict:
+def _summarize(prompts: list, key: str = "same_quant") -> dict | None:
     """A failed verify's report keeps the per-prompt figures only."""
-    return {"greedy_match": sum(p["same_quant"]["greedy_match"] for p in prompts),
+    if not all(key in p for p in prompts):
+        return None
+    return {"greedy_match": sum(p[key]["greedy_match"] for p in prompts),
             "greedy_total": sum(len(p["reference"]) for p in prompts),
-            "max_logit_err": max(p["same_quant"]["max_logit_err"] for p in prompts),
-            "top1": sum(p["same_quant"]["top1"] for p in prompts) / len(prompts),
-            "kld": sum(p["same_quant"]["kld"] for p in prompts) / len(prompts)}
+            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
+            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
+            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--only", help="only the builds whose name contains this")
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "gate.json"
     rows = json.loads(out.read_text()) if out.exists() else []
     for model in args.models.split(","):
         for name, (overrides, faults) in GOOD[model].items():
+            if args.only and args.only not in name:
+                continue
             for fault in (None, *faults):
                 row = {"model": model, "build": name, "fault": fault,
                        **verify(overrides + ([f"export.fault={fault}"] if fault else []))}
@@ -78,7 +87,9 @@ def main() -> None:
                 out.write_text(json.dumps(rows, indent=2))
                 print(f"{model:8} {name:34} {str(fault):20} {'PASS' if row['passed'] else 'fail'}  gate {row['gate']}"
                       f"  greedy {row['greedy_match']}/{row['greedy_total']}  max|dlogit| {row['max_logit_err']:.3g}"
-                      f"  top-1 {row['top1']:.3f}  KLD {row['kld']:.3g}", flush=True)
+                      f"  top-1 {row['top1']:.3f}  KLD {row['kld']:.3g}"
+                      + (f"  floor {row['floor_kld']:.3g} (x{row['kld'] / max(row['floor_kld'], 1e-12):.2f})"
+                         if row["floor_kld"] is not None else ""), flush=True)
     for gate in sorted({r["gate"] for r in rows}):
         good = [r for r in rows if r["gate"] == gate and r["fault"] is None]
         bad = [r for r in rows if r["gate"] == gate and r["fault"] is not None]
@@ -86,6 +97,11 @@ def main() -> None:
             print(f"\ngate {gate}: worst correct KLD {max(r['kld'] for r in good):.3g}, top-1 "
                   f"{min(r['top1'] for r in good):.3f}; best broken KLD {min(r['kld'] for r in bad):.3g}, top-1 "
                   f"{max(r['top1'] for r in bad):.3f}; broken builds passed: {sum(r['passed'] for r in bad)}")
+            ratio = [r for r in good + bad if r.get("floor_kld")]
+            if ratio:
+                x = {id(r): r["kld"] / r["floor_kld"] for r in ratio}
+                print(f"  KLD over the numerics floor: worst correct x{max(x[id(r)] for r in ratio if r in good):.2f}, "
+                      f"best broken x{min(x[id(r)] for r in ratio if r in bad):.2f}")
     print(f"wrote {out}")
 
 

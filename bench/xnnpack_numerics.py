@@ -50,20 +50,6 @@ def bf16_scales(module):
     return out
 
 
-def with_float_noise(module, seed: int = 123):
-    """+-1 ulp of random relative error on the RMSNorm, SiLU and attention (o_proj input) outputs."""
-    g = torch.Generator().manual_seed(seed)
-
-    def noisy(t):
-        return t * (1 + torch.randint(-2, 3, t.shape, generator=g).float() * 2.0 ** -24)
-    for name, m in module.model.named_modules():
-        if type(m).__name__.endswith(("RMSNorm", "SiLUActivation")):
-            m.register_forward_hook(lambda m, args, out: noisy(out))
-        if name.endswith("o_proj"):
-            m.register_forward_pre_hook(lambda m, args: (noisy(args[0]),))
-    return module
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("overrides", nargs="*", help="pipeline overrides (a build up to lower)")
@@ -75,12 +61,13 @@ def main() -> None:
     paths = {s["name"]: s.get("path") for s in m["stages"]}
     from pipeline import abi
     from pipeline.backends.xnnpack.numerics import reference
+    from pipeline.model.float_noise import with_float_noise
     from pipeline.runtimes import open_program
     eager = torch.load(Path(paths["quantize"]) / "module.pt", weights_only=False)
     program = open_program(Path(paths["lower"]))
     ref = reference(eager)
     modules = {"torchao": eager, "torchao + bf16 group scales": bf16_scales(eager), "reference": ref,
-               "floor": with_float_noise(reference(eager))}
+               "floor": with_float_noise(ref)}
     chunk = m["config"]["export"]["prefill_chunk"]
     vocab = abi.ints(program.constant(abi.VOCAB_SIZE))[0]
     runs = {k: [] for k in ("program", *modules)}

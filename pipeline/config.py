@@ -170,6 +170,8 @@ class Thresholds:
     min_top1: Optional[float] = None
     max_kld: Optional[float] = None
     max_kld_ratio: Optional[float] = None     # vs_float: KLD <= ratio x the eager quantized model's own KLD
+    # same_quant: mean KLD <= this x the build's numerics floor (pipeline/model/float_noise.py) + 1e-4
+    max_kld_over_floor: Optional[float] = None
 
 
 @dataclass

@@ -48,7 +48,7 @@ def print_summary(m: dict) -> None:
         print(f"  verify gate: {v['gate']}")
     if v:
         for key, label in (("same_quant", "vs same-quant reference"), ("vs_float", "vs float eager"),
-                           ("quant_cost", "(reference vs float)")):
+                           ("quant_cost", "(reference vs float)"), ("floor", "(numerics floor)")):
             f = v.get(key)
             if not f:
                 continue

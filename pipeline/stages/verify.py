@@ -22,6 +22,7 @@ from pipeline.abi import DTYPES, EOS_IDS
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.float_noise import with_float_noise
 from pipeline.model.quantization import dynamic_activations
 from pipeline.report.progress import bar, spinner
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
@@ -188,9 +189,10 @@ def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
     return prompts
 
 
-def check_prompts(ctx, tok, pte, reference, eager_f, eos, other) -> tuple[list, list]:
+def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None) -> tuple[list, list]:
     """Each prompt: the program against the same-quantization reference (the eager module as the backend computes
-    it) and against the float model (and the other runtimes that apply)."""
+    it) and against the float model (and the other runtimes that apply); with `floor_ref`, the reference against
+    itself with last-bit float noise, on the same tokens (the numerics floor)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
     prompts, problems = [], []
@@ -211,6 +213,8 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other) -> tuple[list, 
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
+        if floor_ref is not None:
+            entry["floor"] = {"greedy_match": 0, **compare(ref_logits, teacher_forced(floor_ref, ids, ref, chunk))}
         found = check(same, gate.same_quant, len(ref), "vs same-quant reference") + \
             check(vs_float, gate.vs_float, len(flt), "vs float eager")
         ratio = gate.vs_float.max_kld_ratio
@@ -244,8 +248,23 @@ def summarize(prompts: list, quantized: bool) -> dict:
             "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
             "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
-        } for key in ("same_quant", "vs_float") + (("quant_cost",) if quantized else ())
+        } for key in ("same_quant", "vs_float") + (("quant_cost",) if quantized else ()) +
+        (("floor",) if all("floor" in p for p in prompts) else ())
     }
+
+
+def floor_problems(summary: dict, th) -> list[dict]:
+    """The dynamic gate's relative check: the program may sit a few times the build's numerics floor from its
+    reference, no further (1e-4: the floor of a build with nothing to round is ~0)."""
+    if th.max_kld_over_floor is None or "floor" not in summary:
+        return []
+    got, floor = summary["same_quant"]["kld"], summary["floor"]["kld"]
+    limit = th.max_kld_over_floor * floor + 1e-4
+    if got <= limit:
+        return []
+    return [{"prompt": "(all prompts)", "problems": [
+        f"vs same-quant reference: mean KLD {got:.4g} > {th.max_kld_over_floor} x the numerics floor {floor:.4g} "
+        f"(+1e-4) = {limit:.4g}"], "reference_text": "", "pte_text": ""}]
 
 
 def summarize_native(prompts: list) -> dict:
@@ -288,13 +307,16 @@ def run(ctx) -> dict:
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
             # the same quantization as the backend computes it (XNNPACK's bf16 group scales, its activation rounding)
             reference = BACKENDS[ctx.cfg.backend.name].reference(eager_q)
+            gate = vc[gate_of(ctx.cfg)]
+            floor_ref = with_float_noise(reference) if gate.same_quant.max_kld_over_floor is not None else None
             pte = open_program(ctx.inputs["lower"], policy=cache_policy(ctx))
         other = cross_check_module(ctx)
-        prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other)
+        prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref)
     except Unsupported as err:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=reference is not eager_f)
     summary["gate"] = gate_of(ctx.cfg)
+    problems += floor_problems(summary, gate.same_quant)
     if vc.fidelity_chunks > 0:
         summary["fidelity"] = corpus_fidelity(ctx, tok, eager_f, pte)
     summary["runtime"] = runtime.describe()
