@@ -100,8 +100,9 @@ def main() -> None:
             ratio = [r for r in good + bad if r.get("floor_kld")]
             if ratio:
                 x = {id(r): r["kld"] / r["floor_kld"] for r in ratio}
-                print(f"  KLD over the numerics floor: worst correct x{max(x[id(r)] for r in ratio if r in good):.2f}, "
-                      f"best broken x{min(x[id(r)] for r in ratio if r in bad):.2f}")
+                worst = max((x[id(r)] for r in ratio if r in good), default=float("nan"))
+                best = min((x[id(r)] for r in ratio if r in bad), default=float("nan"))
+                print(f"  KLD over the numerics floor: worst correct x{worst:.2f}, best broken x{best:.2f}")
     print(f"wrote {out}")
 
 
