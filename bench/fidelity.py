@@ -44,6 +44,9 @@ BUILDS = {
         "8da8w, 8-bit embedding": ["recipe=smollm2_custom", "quantize.linear=8da8w", "quantize.linear_group_size=0",
                                    "quantize.embedding=8w", "quantize.embedding_group_size=32",
                                    "quantize.source_grid=true"],
+        "8w weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w"],
+        "8w hqq weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w",
+                                                                      "quantize.algorithm=hqq"],
         "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
             "recipe=llama_mlx_int4", "quantize.embedding=8w", "quantize.lm_head=8w", "quantize.lm_head_group_size=32",
             "quantize.source_grid=true"],
@@ -53,13 +56,8 @@ BUILDS = {
             "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
         "8da4w, 4w embedding (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
-        "8da4w hqq, 8-bit embedding + lm_head": ["recipe=gemma3_offgraph_8da4w", *HEAD_8BIT,
-                                                 "quantize.algorithm=hqq"],
-        "8da4w hqq, 8-bit embedding + lm_head + down_proj": ["recipe=gemma3_offgraph_8da4w", *HEAD_8BIT,
-                                                             "quantize.algorithm=hqq", DOWN_8BIT],
-        "8da8w, 8-bit embedding": ["recipe=gemma3_offgraph_8da4w", "quantize.linear=8da8w",
-                                   "quantize.linear_group_size=0", "quantize.embedding=8w",
-                                   "quantize.embedding_group_size=32", "quantize.source_grid=true"],
+        "8w hqq weight-only per channel, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", "quantize=8w",
+                                                                      "quantize.algorithm=hqq"],
     },
 }
 # llama.cpp's file types (llama_ftype) for llama_model_quantize
