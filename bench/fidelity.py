@@ -140,6 +140,14 @@ def _progress(chunks, model):
         yield c
 
 
+def ordered(model: str, rows: list[dict]) -> list[dict]:
+    """Our rows in BUILDS order (rows of builds no longer listed after them), then llama.cpp's by bits/weight."""
+    names = list(BUILDS.get(model, {}))
+    ours = sorted((r for r in rows if r["engine"] == "ours"),
+                  key=lambda r: names.index(r["build"]) if r["build"] in names else len(names))
+    return ours + sorted((r for r in rows if r["engine"] != "ours"), key=lambda r: r["bits_per_weight"])
+
+
 def table(model: str, rows: list[dict]) -> str:
     head = "| engine | build | bits/weight | KLD mean | median | p99 | max | same top-1 | RMS dp | PPL | PPL float |"
     lines = [f"### {model}", "", head, "|" + "---|" * 11]
@@ -158,16 +166,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", help="only our builds whose name contains this")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--print", action="store_true", help="print the tables of the last results, measure nothing")
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "fidelity.json"
     results = json.loads(out.read_text()) if out.exists() else {}
+    if args.print:
+        for model in args.models.split(","):
+            print(table(model, ordered(model, results.get(model, []))) + "\n")
+        return
     for model in args.models.split(","):
         rows = {(r["engine"], r["build"]): r for r in results.get(model, [])}  # rows not measured now stay
         rows.update({(r["engine"], r["build"]): r for r in measure(model, args)})
         results[model] = list(rows.values())
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
-        print(table(model, results[model]), flush=True)
+        print(table(model, ordered(model, results[model])), flush=True)
     print(f"\nwrote {out}")
 
 
