@@ -29,3 +29,36 @@ def test_the_right_program_passes_exactly():
     m = build("tiny_llama_xnnpack")
     same = m["verify"]["same_quant"]
     assert same["greedy_match"] == same["greedy_total"] and same["max_logit_err"] < 1e-4
+
+
+def test_the_dynamic_gate_measures_its_numerics_floor():
+    """A tiny 8da4w build's report carries the floor; the program sits within the calibrated multiple of it."""
+    m = build("tiny_llama_xnnpack_8da4w")
+    s, th = m["verify"], compose_cfg("recipe=tiny_llama_xnnpack_8da4w").verify.dynamic.same_quant
+    assert s["gate"] == "dynamic" and s["floor"]["kld"] > 0
+    assert s["same_quant"]["kld"] <= th.max_kld_over_floor * s["floor"]["kld"] + 1e-4
+
+
+def test_a_program_above_its_floor_fails():
+    th = compose_cfg().verify.dynamic.same_quant
+    summary = {"same_quant": {"kld": 0.05}, "floor": {"kld": 0.007}}
+    problems = verify.floor_problems(summary, th)
+    assert problems and "numerics floor" in problems[0]["problems"][0]
+    assert verify.floor_problems({"same_quant": {"kld": 0.008}, "floor": {"kld": 0.007}}, th) == []
+    assert verify.floor_problems({"same_quant": {"kld": 0.05}}, th) == []   # no floor measured: nothing to hold to
+
+
+def test_float_noise_is_small_seeded_and_leaves_the_module_alone():
+    import torch
+    from pipeline.model.cache_modes import wrap
+    from pipeline.model.float_noise import with_float_noise
+    from pipeline.model.loading import load_hf_model
+    module = wrap(load_hf_model(build("tiny_llama_xnnpack", stages=("download",))["model_dir"]), "static", 64, "last")
+    ids, pos = torch.tensor([[1, 5, 9, 3]]), torch.arange(4)
+    with torch.no_grad():
+        clean = module(ids, pos).clone()
+        a = with_float_noise(module)(ids, pos)
+        b = with_float_noise(module)(ids, pos)
+        assert torch.equal(module(ids, pos), clean)   # the copies carry the hooks, not the module
+    assert 0 < (a - clean).abs().max() < 1e-3 * clean.abs().max()
+    assert torch.equal(a, b)
