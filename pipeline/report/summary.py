@@ -52,8 +52,9 @@ def print_summary(m: dict) -> None:
             f = v.get(key)
             if not f:
                 continue
-            print(f"  verify {label:<20} greedy {f['greedy_match']}/{f['greedy_total']}  "
-                  f"max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  KLD {f['kld']:.3g}")
+            greedy = f"greedy {f['greedy_match']}/{f['greedy_total']}" if "greedy_total" in f else "teacher-forced"
+            print(f"  verify {label:<20} {greedy}  max|dlogit| {f['max_logit_err']:.3g}  top-1 {f['top1']:.3f}  "
+                  f"KLD {f['kld']:.3g}")
     fid = (v or {}).get("fidelity")
     if fid:
         print(f"  fidelity on {fid['tokens']} corpus tokens: KLD mean {fid['kld_mean']:.4g}, p99 {fid['kld_p99']:.3g}, "

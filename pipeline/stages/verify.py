@@ -214,7 +214,7 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None)
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
         if floor_ref is not None:
-            entry["floor"] = {"greedy_match": 0, **compare(ref_logits, teacher_forced(floor_ref, ids, ref, chunk))}
+            entry["floor"] = compare(ref_logits, teacher_forced(floor_ref, ids, ref, chunk))
         found = check(same, gate.same_quant, len(ref), "vs same-quant reference") + \
             check(vs_float, gate.vs_float, len(flt), "vs float eager")
         ratio = gate.vs_float.max_kld_ratio
@@ -241,16 +241,22 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None)
 
 def summarize(prompts: list, quantized: bool) -> dict:
     """Each reference's figures over all prompts (greedy totals, worst logit error, mean top-1 and KLD)."""
-    return {
+    out = {
         key: {
             "greedy_match": sum(p[key]["greedy_match"] for p in prompts),
             "greedy_total": sum(len(p["reference" if key == "same_quant" else "float_reference"]) for p in prompts),
-            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
-            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
-            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts),
-        } for key in ("same_quant", "vs_float") + (("quant_cost",) if quantized else ()) +
-        (("floor",) if all("floor" in p for p in prompts) else ())
+            **teacher_forced_summary(prompts, key),
+        } for key in ("same_quant", "vs_float") + (("quant_cost",) if quantized else ())
     }
+    if all("floor" in p for p in prompts):  # teacher-forced only: the floor generates nothing
+        out["floor"] = teacher_forced_summary(prompts, "floor")
+    return out
+
+
+def teacher_forced_summary(prompts: list, key: str) -> dict:
+    return {"max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
+            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
+            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts)}
 
 
 def floor_problems(summary: dict, th) -> list[dict]:
