@@ -71,14 +71,33 @@ def _summarize(prompts: list, key: str = "same_quant", greedy: bool = True) -> d
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts)}
 
 
+def table(rows: list[dict]) -> str:
+    """The broken-variant table: each build's figures against its same-quantization reference, and the verdict."""
+    lines = ["| model | build | fault | gate | greedy | max abs dlogit | top-1 | KLD | floor | KLD / floor | verdict |",
+             "|" + "---|" * 11]
+    for r in rows:
+        floor = r.get("floor_kld")
+        ratio = f"{r['kld'] / floor:.2f}" if floor else "-"
+        lines.append(f"| {r['model']} | {r['build']} | {r['fault'] or '(correct)'} | {r['gate']} | "
+                     f"{r['greedy_match']}/{r['greedy_total']} | {r['max_logit_err']:.3g} | {r['top1']:.3f} | "
+                     f"{r['kld']:.3g} | {f'{floor:.3g}' if floor else '-'} | "
+                     f"{ratio} | "
+                     f"{'pass' if r['passed'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--only", help="only the builds whose name contains this")
     ap.add_argument("--redo", action="store_true", help="verify again the variants gate.json already holds")
+    ap.add_argument("--print", action="store_true", help="print the table of gate.json, verify nothing")
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "gate.json"
     rows = json.loads(out.read_text()) if out.exists() else []
+    if args.print:
+        print(table(rows))
+        return
     for model in args.models.split(","):
         for name, (overrides, faults) in GOOD[model].items():
             if args.only and args.only not in name:
