@@ -1,7 +1,7 @@
 """Does the verify gate tell right from wrong? Correct builds of both models in several schemes, and deliberately
 broken variants of them (export.fault: a late layer's rows permuted, one group's scale doubled, two query heads
-swapped, the rings one slot short), each verified; prints every build's figures against its same-quantization reference and the gate's
-verdict, and the margin between the worst correct build and the best broken one per gate.
+swapped, the rings one slot short), each verified; prints every build's figures against its same-quantization
+reference and the gate's verdict, and the margin between the worst correct build and the best broken one per gate.
 
     python bench/gate_calibration.py                       # both models (several hours cold: each build lowers)
     python bench/gate_calibration.py --models smollm2
@@ -61,14 +61,12 @@ def verify(overrides: list[str]) -> dict:
 
 def _summarize(prompts: list, key: str = "same_quant", greedy: bool = True) -> dict | None:
     """A failed verify's report keeps the per-prompt figures only."""
+    from pipeline.stages.verify import teacher_forced_summary
     if not all(key in p for p in prompts):
         return None
     counts = {"greedy_match": sum(p[key]["greedy_match"] for p in prompts),
               "greedy_total": sum(len(p["reference"]) for p in prompts)} if greedy else {}
-    return {**counts,
-            "max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
-            "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
-            "kld": sum(p[key]["kld"] for p in prompts) / len(prompts)}
+    return {**counts, **teacher_forced_summary(prompts, key)}
 
 
 def table(rows: list[dict]) -> str:
@@ -80,8 +78,7 @@ def table(rows: list[dict]) -> str:
         ratio = f"{r['kld'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['model']} | {r['build']} | {r['fault'] or '(correct)'} | {r['gate']} | "
                      f"{r['greedy_match']}/{r['greedy_total']} | {r['max_logit_err']:.3g} | {r['top1']:.3f} | "
-                     f"{r['kld']:.3g} | {f'{floor:.3g}' if floor else '-'} | "
-                     f"{ratio} | "
+                     f"{r['kld']:.3g} | {f'{floor:.3g}' if floor else '-'} | {ratio} | "
                      f"{'pass' if r['passed'] else 'FAIL'} |")
     return "\n".join(lines)
 

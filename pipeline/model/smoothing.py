@@ -40,9 +40,14 @@ def activation_maxima(model: nn.Module, sequences: list[list[int]]) -> dict[str,
     return stats
 
 
+def _ratio(x: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s = max|x|^alpha / max|w|^(1 - alpha), per channel, from the two maxima."""
+    return (x.clamp_min(1e-5).pow(alpha) / w.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
+
+
 def _scales(x: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
-    w = torch.cat([w.abs().float() for w in weights], 0).amax(0).clamp_min(1e-5)
-    return (x.clamp_min(1e-5).pow(alpha) / w.pow(1 - alpha)).clamp_min(1e-5)
+    """The scales of an input that several linears read: their weight columns' joint max."""
+    return _ratio(x, torch.cat([w.abs().float() for w in weights], 0).amax(0), alpha)
 
 
 def _norm_offset(norm: nn.Module) -> float:
@@ -96,8 +101,8 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> i
 
         # o_proj's input channel h*d + c reads KV head h // (hq // hkv): one scale per KV channel
         x = maxima[p + "self_attn.o_proj"].view(hkv, hq // hkv, d).amax(1)
-        w = at.o_proj.weight.abs().float().amax(0).view(hkv, hq // hkv, d).amax(1).clamp_min(1e-5)
-        s = (x.clamp_min(1e-5).pow(alpha) / w.pow(1 - alpha)).clamp_min(1e-5)
+        w = at.o_proj.weight.abs().float().amax(0).view(hkv, hq // hkv, d).amax(1)
+        s = _ratio(x, w, alpha)
         _scale_rows(at.v_proj, s.reshape(-1))
         _scale_columns((at.o_proj,), s[:, None, :].expand(hkv, hq // hkv, d).reshape(-1))
         smoothed += 7
