@@ -78,6 +78,7 @@ void print_help() {
       "  --threads N                 XNNPACK/ExecuTorch thread-pool size, 0 = runtime default\n"
       "                              (default: %lld)\n"
       "  --quiet                     do not print the texts to stdout (default: off)\n"
+      "%s"
       "  --help                      this text\n"
       "\n"
       "Output: each generation's text goes to stdout; the reports go to stderr: one line per\n"
@@ -89,7 +90,8 @@ void print_help() {
       static_cast<long long>(d.max_decode_sequences), d.cache_kind.c_str(),
       static_cast<long long>(d.kv_initial_capacity), d.temperature, d.top_p, static_cast<long long>(d.top_k),
       static_cast<long long>(d.seed), static_cast<long long>(d.prefix_cache_entries),
-      static_cast<long long>(d.prompt_rounds), static_cast<long long>(d.threads));
+      static_cast<long long>(d.prompt_rounds), static_cast<long long>(d.threads),
+      cli::verify_pte_help(30).c_str());
 }
 
 Options parse_args(int argc, char** argv, bool* help) {
@@ -247,6 +249,7 @@ int run(const Options& o) {
   const ChatTemplate tpl = chat_template(o.chat);
   const int threads = cli::set_threads(o.threads);
   auto t0 = Clock::now();
+  cli::verify_program(o);
   LlmProgram prog(o.pte);
   const double load_ms = ms_since(t0);
   const ProgramInfo& info = prog.info();

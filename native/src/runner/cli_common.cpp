@@ -7,6 +7,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/offgraph_cache.h"
+#include "runtime/pte_check.h"
 
 // The wheel ships the thread pool library but not its header; these two
 // members are all the runners need (for --threads).
@@ -69,6 +70,10 @@ void ArgReader::no_value() const {
   if (has_inline_) throw UsageError(name_ + " takes no value");
 }
 
+std::string ArgReader::optional_value(const std::string& absent) const {
+  return has_inline_ ? inline_value_ : absent;
+}
+
 bool CommonOptions::parse(ArgReader& args) {
   const std::string& a = args.name();
   if (a == "--pte") pte = args.value();
@@ -87,6 +92,10 @@ bool CommonOptions::parse(ArgReader& args) {
   } else if (a == "--kv-storage-dtype") {
     kv_storage_dtype = args.value();
     kv_flags = true;
+  } else if (a == "--verify-pte") {
+    verify_pte = args.optional_value("auto");
+    if (verify_pte != "auto" && !is_sha256_hex(verify_pte))
+      throw UsageError("--verify-pte expects 64 hex digits (a SHA-256) or 'auto', got '" + verify_pte + "'");
   } else if (a == "--ignore-eos") { args.no_value(); ignore_eos = true; }
   else if (a == "--quiet") { args.no_value(); quiet = true; }
   else return false;
@@ -119,6 +128,23 @@ void CommonOptions::check_kv_storage_dtype() const {
 
 int CommonOptions::kv_dtype(int64_t activation_dtype) const {
   return kv_storage_dtype.empty() ? static_cast<int>(activation_dtype) : offgraph::parse_dtype(kv_storage_dtype);
+}
+
+std::string verify_pte_help(int width) {
+  const std::string pad(width, ' ');
+  std::string flag = "  --verify-pte[=HEX|auto]";
+  flag += flag.size() < static_cast<size_t>(width) ? std::string(width - flag.size(), ' ') : "\n" + pad;
+  return flag + "check the .pte's SHA-256 before loading it: against HEX,\n" + pad +
+         "or (auto, or no value) against outputs[<file name>].sha256\n" + pad +
+         "in the manifest.json beside it (the pipeline's lower-stage\n" + pad +
+         "cache entry); a mismatch or no record: exit 1 (default: off)\n";
+}
+
+void verify_program(const CommonOptions& o) {
+  if (o.verify_pte.empty()) return;
+  std::string digest = verify_pte_digest(o.pte, o.verify_pte);
+  std::fprintf(stderr, "[verify] %s sha256 %s (%s)\n", o.pte.c_str(), digest.c_str(),
+               o.verify_pte == "auto" ? "matches manifest.json" : "matches --verify-pte");
 }
 
 void check_prompt_ids(const std::vector<int64_t>& ids, int64_t vocab_size) {

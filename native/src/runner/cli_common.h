@@ -41,6 +41,9 @@ class ArgReader {
   std::string value();
   // For a flag that takes no value: refuses "--flag=value".
   void no_value() const;
+  // For a flag whose value is optional ("--flag" or "--flag=value"): the inline value, else `absent`
+  // (the next argument is never taken: it may be a prompt).
+  std::string optional_value(const std::string& absent) const;
 
  private:
   int argc_;
@@ -64,6 +67,7 @@ struct CommonOptions {
   int64_t kv_initial_capacity = 512;
   std::string kv_storage_dtype;  // empty = the program's activation dtype
   bool kv_flags = false;         // a --kv-* flag other than --kv-max-capacity given
+  std::string verify_pte;        // --verify-pte: a SHA-256 in hex, "auto" (manifest.json), empty = off
 
   // Reads the current flag if it is one of these (true); false leaves it to the runner.
   bool parse(ArgReader& args);
@@ -79,6 +83,13 @@ struct CommonOptions {
   // The K/V storage dtype code: --kv-storage-dtype, else the program's activation dtype.
   int kv_dtype(int64_t activation_dtype) const;
 };
+
+// The help line of --verify-pte, the same in both runners; `width` is the column of the descriptions.
+std::string verify_pte_help(int width);
+
+// --verify-pte: checks the .pte's SHA-256 before anything loads it (ProgramError: exit 1). No-op
+// without the flag.
+void verify_program(const CommonOptions& o);
 
 // Refuses a prompt id outside [0, vocab_size) (UsageError).
 void check_prompt_ids(const std::vector<int64_t>& ids, int64_t vocab_size);

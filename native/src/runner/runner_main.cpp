@@ -52,6 +52,7 @@ int run_encode(const Options& o) {
   auto tok = Tokenizer::from_file(o.tokenizer);
   int64_t bos = -1;
   if (!o.pte.empty()) {
+    cli::verify_program(o);
     LlmProgram prog(o.pte);
     bos = prog.info().bos_id;
   }
@@ -70,6 +71,7 @@ int run(const Options& o) {
   ChatTemplate tpl = chat_template(o.chat);  // validate before the slow parts
   cli::set_threads(o.threads);
   LoadInfo li;
+  cli::verify_program(o);  // before the load: a damaged file never reaches ExecuTorch
   auto t0 = Clock::now();
   LlmProgram prog(o.pte);
   li.load_ms = ms_since(t0);

@@ -51,6 +51,7 @@ void print_help() {
       "  --kv-storage-dtype T  fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
       "  --kv-windows LIST     comma list of windows repeated over the caches, 0 = flat\n"
       "                        (full attention), e.g. 512,0 (default: the program's get_windows)\n"
+      "%s"
       "  --help                this text\n"
       "\n"
       "Output: the generated text streams to stdout; the report goes to stderr and ends with\n"
@@ -59,7 +60,7 @@ void print_help() {
       d.chat.c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
       static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
-      static_cast<long long>(d.kv_initial_capacity));
+      static_cast<long long>(d.kv_initial_capacity), cli::verify_pte_help(24).c_str());
 }
 
 std::vector<int64_t> parse_ids(const std::string& s) {

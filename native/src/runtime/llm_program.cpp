@@ -234,7 +234,9 @@ LlmProgram::LlmProgram(const std::string& path) {
     throw ProgramError("cannot open .pte file '" + path + "': " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw ProgramError("'" + path + "' is not a regular file");
   module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap);
-  Error e = module_->load();
+  // InternalConsistency: the flatbuffer verifier checks every offset and length before the loader
+  // follows them (Minimal, the default, only checks the header: a damaged file could crash the load).
+  Error e = module_->load(executorch::runtime::Program::Verification::InternalConsistency);
   if (e != Error::Ok)
     throw ProgramError("cannot load .pte file '" + path + "': " + err_text(e) +
                        " (corrupt or not an ExecuTorch program?)");
