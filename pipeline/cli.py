@@ -6,6 +6,7 @@ import sys
 import warnings
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.config import register_configs
@@ -22,6 +23,45 @@ warnings.filterwarnings("ignore", message=".*(side effects happened|Mutation on 
 OmegaConf.register_new_resolver("project_path", lambda p: str(project_path(p)), replace=True)
 register_configs()
 register_recipes()
+
+
+class ConfigGate(Callback):
+    """Preflight before Hydra creates the run directory: a rejected config leaves nothing behind in outputs/.
+
+    (Sweep jobs are checked in their job, whose directory carries the failure into the sweep report.)"""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        from pipeline import preflight
+        from pipeline.errors import PipelineError
+        from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
+        task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+        try:
+            preflight.check(task)
+        except PipelineError as e:
+            _refuse(str(e), e.exit_code)
+        if not is_inside_outputs(config.hydra.run.dir):  # e.g. hydra.run.dir=/elsewhere, or set by a recipe
+            _refuse(f"hydra.run.dir={config.hydra.run.dir!r}: must be inside {OUTPUTS_ROOT}", 2)
+        _refuse_unwritable(project_path(task.run.output_dir))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
+        if not is_inside_outputs(config.hydra.sweep.dir):
+            _refuse(f"hydra.sweep.dir={config.hydra.sweep.dir!r}: must be inside {OUTPUTS_ROOT}", 2)
+        _refuse_unwritable(project_path(config.run.output_dir))
+
+
+def _refuse_unwritable(out) -> None:
+    """A read-only outputs/ is said before Hydra tries to make the run directory in it."""
+    import os
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        _refuse(f"run.output_dir={str(out)!r}: {existing} is not writable "
+                f"({'read-only file system' if os.statvfs(existing).f_flag & os.ST_RDONLY else 'permission denied'})", 1)
+
+
+def _refuse(message: str, exit_code: int):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(exit_code)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

@@ -3,6 +3,9 @@
     python -m pipeline.gc --dry-run        # what would go, and how many bytes
     python -m pipeline.gc                  # remove it
     python -m pipeline.gc --output-dir outputs/elsewhere
+    python -m pipeline.gc --verify         # fsck: hash every entry against its manifest, quarantine the damaged
+
+Quarantined entries (cache/.quarantine/, each with a .why.json) are never removed by gc: look, then delete by hand.
 
 What counts as unreachable: pipeline/store/gc.py.
 """
@@ -14,13 +17,15 @@ import sys
 from pipeline import paths
 from pipeline.stages import STAGES
 from pipeline.store import Store
-from pipeline.store.gc import collect
+from pipeline.store.gc import collect, verify
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.gc", description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     ap.add_argument("--output-dir", default="outputs", help="the outputs directory whose cache to collect")
+    ap.add_argument("--verify", action="store_true",
+                    help="only check: hash every entry against its manifest and quarantine the damaged ones")
     args = ap.parse_args(argv)
     if not paths.is_inside_outputs(args.output_dir):
         print(f"error: --output-dir={args.output_dir!r}: must be inside {paths.OUTPUTS_ROOT}", file=sys.stderr)
@@ -29,7 +34,16 @@ def main(argv=None) -> int:
     if not store.cache.is_dir():
         print(f"no stage cache at {store.cache}")
         return 0
+    if args.verify:
+        checked, bad, busy = verify(store, STAGES)
+        print(f"{checked} entr{'y' if checked == 1 else 'ies'} checked, {bad} damaged (quarantined in "
+              f"{store.quarantine_dir})" + (f", {busy} busy" if busy else ""))
+        return 1 if bad or busy else 0
     removed, freed, busy = collect(store, STAGES, args.dry_run)
+    held = sorted(p for p in store.quarantine_dir.glob("*") if p.is_dir()) if store.quarantine_dir.is_dir() else []
+    if held:
+        print(f"{len(held)} quarantined entr{'y' if len(held) == 1 else 'ies'} kept in {store.quarantine_dir} "
+              "(see each .why.json; delete by hand)")
     verb = "would free" if args.dry_run else "freed"
     print(f"{removed} entr{'y' if removed == 1 else 'ies'}, {verb} {freed / 2**30:.2f} GiB"
           + (f"; {busy} busy, skipped" if busy else ""))

@@ -1,16 +1,21 @@
 """Preflight: every cross-field rule, checked before any download or build; all problems in one error.
 
-Hydra has already rejected unknown keys, unknown group choices and bad Enum values at composition. What a
+Hydra rejects unknown group choices, bad Enum values and unknown keys set without `+`; keys added with `+`/`++`
+reach the config, so `unknown_key_problems` refuses them here. What a
 route, a backend or a cache mode cannot do is declared by its own module (pipeline/exporters, pipeline/backends,
 pipeline/model/cache_modes); this module asks them. Also the memory estimate (from the geometry, never the weights).
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import typing
 from typing import Optional
 
+from omegaconf import DictConfig, ListConfig
+
 from pipeline.backends import BACKENDS
-from pipeline.config import v
+from pipeline.config import PipelineConfig, v
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.exporters import EXPORTERS
 from pipeline.model import sources
@@ -23,6 +28,9 @@ Problems = list[tuple[str, object, str]]
 
 def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     """Raise ConfigError listing every problem; returns the model geometry when it could be read."""
+    problems = unknown_key_problems(cfg)
+    if problems:  # the other rules read the schema's keys; report the strangers alone
+        raise ConfigError(problems)
     problems = quantize_problems(cfg) + cache_problems(cfg) + export_problems(cfg) + verify_problems(cfg)
     problems += EXPORTERS[cfg.export.exporter].problems(cfg)
     if not is_inside_outputs(cfg.run.output_dir):
@@ -39,6 +47,36 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if problems:
         raise ConfigError(problems)
     return geometry
+
+
+def unknown_key_problems(cfg, schema=PipelineConfig, prefix: str = "") -> Problems:
+    """Keys the schema does not have (`+key=1`, `++model.x=1`, an extra key in a recipe): nothing would read them."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    problems: Problems = []
+    for key in cfg.keys() if isinstance(cfg, DictConfig) else ():
+        where = f"{prefix}{key}"
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            problems.append((where, cfg._get_node(key)._value(), f"unknown key (allowed here: {allowed})"))
+            continue
+        sub, node = _dataclass_in(hints[key]), cfg._get_node(key)
+        if sub is not None and isinstance(node, DictConfig):
+            problems += unknown_key_problems(node, sub, f"{where}.")
+        elif sub is not None and isinstance(node, ListConfig):  # e.g. quantize.overrides
+            for i, item in enumerate(node):
+                problems += unknown_key_problems(item, sub, f"{where}[{i}].")
+    return problems
+
+
+def _dataclass_in(hint):
+    """The dataclass a field holds (directly, Optional, or as List items); None for plain values."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
 
 
 def quantized_parts(q) -> list[tuple[str, str, str, int]]:

@@ -5,6 +5,7 @@ versions, the code it runs). Stage entries are published atomically; the run dir
 """
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import os
@@ -23,11 +24,13 @@ from pipeline.errors import PipelineError, StageError
 from pipeline.exporters import EXPORTERS
 from pipeline.report.summary import print_summary
 from pipeline.stages import ORDER, STAGES, StageContext
-from pipeline.store import Store
+from pipeline.store import Store, outputs_digest
 from pipeline.store.files import SCHEMA_VERSION, describe_outputs, now_iso, read_manifest, stable_hash, write_json_atomic
 from pipeline.store.key import config_slice, git_commit, lineage, stage_key, tool_versions
 
 log = logging.getLogger(__name__)
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # the disk cannot take the stage's files
 
 
 class PeakRSS:
@@ -103,6 +106,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
         "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
         "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "pid": os.getpid(), "stages": [],
+        "trust_remote_code": bool(cfg.model.trust_remote_code),  # off unless the recipe turns it on
         "status": "running",
     }
     entries: dict[str, Path] = {}
@@ -118,10 +122,14 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
             record = {"name": name, "key": key}
             manifest["stages"].append(record)
             t0 = time.perf_counter()
-            entry = store.lookup(name, key)
+            upstream = {p: entries[p] for p in lin["upstream"]}
+            entry = store.lookup(name, key, upstream)
             if entry is None:
                 with store.lock(name, key):
-                    entry = store.lookup(name, key)  # someone else may have built it meanwhile
+                    damaged = store.quarantine_damaged(name, key, upstream)
+                    if damaged:
+                        record["quarantined"] = damaged
+                    entry = store.lookup(name, key, upstream)  # someone else may have built it meanwhile
                     if entry is None:
                         entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, lin, rdir)
                         record["cache"] = "miss"
@@ -143,13 +151,26 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     except KeyboardInterrupt:
         manifest["status"] = "interrupted"
         raise
+    except OSError as e:  # the cache or run dir itself (lock, temp dir, link) cannot be written
+        if e.errno not in NO_ROOM:
+            raise
+        manifest.update(status="failed", error=f"{e.strerror}: {e.filename}")
+        raise PipelineError(f"cannot write under {store.root}: {e.strerror} ({e.filename}); "
+                            "nothing half-built was published") from None
     finally:
         manifest["seconds"] = round(time.perf_counter() - t_start, 2)
         _finish_manifest(manifest, entries, cfg)
-        write_json_atomic(rdir / "manifest.json", manifest)
-        manifest["run_manifest"] = str(rdir / "manifest.json")
+        unwritten = None
+        try:
+            write_json_atomic(rdir / "manifest.json", manifest)
+            manifest["run_manifest"] = str(rdir / "manifest.json")
+        except OSError as e:
+            unwritten = f"cannot write the run manifest {rdir / 'manifest.json'}: {e.strerror}"
+            log.error(unwritten)
         if manifest["status"] in ("ok", "failed"):
             print_summary(manifest)
+    if unwritten:  # the build itself is fine and cached; only its record is missing
+        raise PipelineError(unwritten)
     return manifest
 
 
@@ -162,6 +183,24 @@ def _finish_manifest(manifest: dict, entries: dict, cfg) -> None:
     verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
     if verify:
         manifest["verify"] = verify["metrics"]
+
+
+def _record_failure(store, tmp: Path, rdir: Path, stage: str, m: dict, err: Exception) -> str | None:
+    """failed-<stage>.json (and what the stage wrote, e.g. verify's report) in the run dir, never in the cache.
+    Out of space or read-only: the temp dir goes (it holds the space) and the failure is only reported."""
+    if isinstance(err, OSError) and err.errno in NO_ROOM:
+        store.discard(tmp)
+    try:
+        failed = rdir / f"failed-{stage}.json"
+        write_json_atomic(failed, m)
+        if tmp.is_dir() and any(tmp.iterdir()):
+            os.rename(tmp, rdir / f"failed-{stage}")
+        return str(failed)
+    except OSError as e:
+        log.error("could not record the failure of stage %s in %s: %s", stage, rdir, e)
+        return None
+    finally:
+        store.discard(tmp)
 
 
 def _link(link: Path, target: Path) -> None:
@@ -177,7 +216,8 @@ def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir) -> Path
     m = {
         "schema_version": SCHEMA_VERSION, "stage": mod.NAME, "version": mod.VERSION, "key": key,
         "config": lin["config"],
-        "inputs": {name: {"key": k, "path": str(inputs[name])} for name, k in lin["upstream"].items()},
+        "inputs": {name: {"key": k, "path": str(inputs[name]), "outputs": outputs_digest(inputs[name])}
+                   for name, k in lin["upstream"].items()},
         "tools": lin["tools"], "source_rev": lin["source_rev"], "git_commit": lin["git_commit"],
         "started": now_iso(),
     }
@@ -185,25 +225,18 @@ def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir) -> Path
     try:
         with PeakRSS() as rss:
             metrics = mod.run(ctx)
+        m.update(status="ok", metrics=metrics, info=ctx.info if mod.NAME != "verify" else {},
+                 seconds=round(time.perf_counter() - t0, 2), peak_rss_mib=rss.mib,
+                 outputs=describe_outputs(tmp))
+        write_json_atomic(tmp / "manifest.json", m)
     except KeyboardInterrupt:
         store.discard(tmp)
         raise
     except Exception as e:
         m.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(),
                  seconds=round(time.perf_counter() - t0, 2))
-        failed = rdir / f"failed-{mod.NAME}.json"
-        write_json_atomic(failed, m)
-        # keep what the stage wrote (e.g. verify's report) next to the failure, never in the cache
-        if any(tmp.iterdir()):
-            os.rename(tmp, rdir / f"failed-{mod.NAME}")
-        else:
-            store.discard(tmp)
         detail = str(e) if isinstance(e, (PipelineError, RuntimeError)) else f"{type(e).__name__}: {e}"
-        raise StageError(mod.NAME, detail, str(failed)) from None
-    m.update(status="ok", metrics=metrics, info=ctx.info if mod.NAME != "verify" else {},
-             seconds=round(time.perf_counter() - t0, 2), peak_rss_mib=rss.mib,
-             outputs=describe_outputs(tmp))
-    write_json_atomic(tmp / "manifest.json", m)
+        raise StageError(mod.NAME, detail, _record_failure(store, tmp, rdir, mod.NAME, m, e)) from None
     del ctx
     gc.collect()  # stages load whole models; free them before the next one
     return store.publish(tmp, mod.NAME, key)

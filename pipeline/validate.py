@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     from pipeline.config import register_configs
     from pipeline.paths import RECIPES_DIR
-    from pipeline.recipes import register_recipes
+    from pipeline.recipes import recipe_files, register_recipes
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.validate",
                                  description="Check every recipe (composition, rules, preflight, memory) "
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         return 2
     register_configs()
     names = register_recipes(root)
+    files = recipe_files(root)
     if not names:
         print(f"error: no *.yaml recipes under {root}")
         return 2
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     rows, bad = [], 0
     for name in names:
         problems, est, g = validate_recipe(name, total)
+        if "hydra" in OmegaConf.load(files[name]):  # where files are written is not a recipe's to decide
+            problems.insert(0, ("hydra", "...", "a recipe may not set Hydra's own settings (run/sweep dirs, callbacks)"))
         if a.smoke and not problems and g is not None:
             why = smoke(name, g)
             if why:

@@ -78,4 +78,4 @@ def print_summary(m: dict) -> None:
               + " (transformers.exporters layout; ExportedModel.from_pretrained(pte folder))")
     if m.get("pte"):
         print(f"pte: {m['pte']}")
-    print(f"manifest: {m['run_manifest']}")
+    print(f"manifest: {m.get('run_manifest', '(not written)')}")

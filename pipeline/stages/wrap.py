@@ -16,6 +16,7 @@ from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
+from pipeline.store.files import write_via_memory
 
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
@@ -42,7 +43,7 @@ def run(ctx) -> dict:
         raise RuntimeError(f"wrapped module disagrees with HF forward: max abs logit error "
                            f"{check['max_abs_err']:.3g} > {tol} over {check['tokens']} tokens")
     module.reset()
-    torch.save(module, ctx.out / "module.pt")
+    write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))
     spec = {
         "cache_mode": mode, "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
         "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,

@@ -1,35 +1,94 @@
 """Content-addressed stage cache under outputs/cache/<stage>/<key>/.
 
 An entry is built in a temp dir next to its final place and published with one rename; it counts
-only if its manifest.json says status "ok". A per-key file lock makes concurrent builders of the same
+only if its manifest.json says status "ok" and its files still are what the manifest recorded (pipeline/store/
+integrity.py; a damaged entry is moved to cache/.quarantine/ with the reason, never deleted, and rebuilt). A per-key
+file lock makes concurrent builders of the same
 entry build it once; a crashed builder leaves only a temp dir, which the next builder removes.
 The key of an entry is computed by pipeline/store/key.py; pipeline/store/gc.py removes what no build reaches.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from pipeline.store.files import read_manifest
+from pipeline.store import integrity
+from pipeline.store.files import read_manifest, stable_hash, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def outputs_digest(entry: Path) -> Optional[str]:
+    """One hash of what an entry's manifest records of its files: a downstream entry notes it for each input."""
+    m = read_manifest(entry)
+    return stable_hash(m["outputs"]) if m and "outputs" in m else None
 
 
 class Store:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.cache = self.root / "cache"
+        self.quarantine_dir = self.cache / ".quarantine"
+        self.stamps = integrity.Stamps(self.cache)
 
     def entry(self, stage: str, key: str) -> Path:
         return self.cache / stage / key
 
-    def lookup(self, stage: str, key: str) -> Optional[Path]:
+    def lookup(self, stage: str, key: str, inputs: Optional[dict] = None) -> Optional[Path]:
+        """The entry if it exists: an ok manifest, its files intact, built from the input entries given (name ->
+        path) as they are now."""
         entry = self.entry(stage, key)
         m = read_manifest(entry)
-        return entry if m and m.get("status") == "ok" and m.get("key") == key else None
+        if not (m and m.get("status") == "ok" and m.get("key") == key):
+            return None
+        return None if self.damage(stage, key, m, inputs) else entry
+
+    def damage(self, stage: str, key: str, m: dict, inputs: Optional[dict] = None) -> list[str]:
+        """Why a published entry can no longer be served ([] if it can); refreshes the stamps of intact files."""
+        entry = self.entry(stage, key)
+        stamps = self.stamps.get(stage, key)
+        found = integrity.problems(entry, m, stamps)
+        for up, path in (inputs or {}).items():
+            recorded = (m.get("inputs") or {}).get(up, {}).get("outputs")
+            if recorded is not None and recorded != outputs_digest(path):
+                found.append(f"built from {up}/{Path(path).name[:12]}, whose files have changed since")
+        if not found:
+            now = integrity.stamps_of(entry, m)
+            if now != stamps:
+                self.stamps.put(stage, key, now)
+        return found
+
+    def quarantine_damaged(self, stage: str, key: str, inputs: Optional[dict] = None) -> Optional[dict]:
+        """Under the key's lock: move a damaged entry to cache/.quarantine/ (with why.json) so it gets rebuilt.
+        Returns {path, problems} if it did."""
+        entry = self.entry(stage, key)
+        m = read_manifest(entry)
+        if not (m and m.get("status") == "ok" and m.get("key") == key):
+            return None
+        found = self.damage(stage, key, m, inputs)
+        if not found:
+            return None
+        dest = self.quarantine(stage, key, found)
+        log.warning("cache entry %s/%s is damaged (%s): moved to %s; rebuilding", stage, key[:12],
+                    "; ".join(found), dest)
+        return {"path": str(dest), "problems": found}
+
+    def quarantine(self, stage: str, key: str, problems: list[str]) -> Path:
+        """Under the key's lock: move an entry out of the cache, keeping it (and why) for a human to look at."""
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        dest = self.quarantine_dir / f"{stage}-{key}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        os.rename(self.entry(stage, key), dest)
+        write_json_atomic(dest.with_name(dest.name + ".why.json"), {
+            "stage": stage, "key": key, "problems": problems, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        self.stamps.drop(stage, key)
+        return dest
 
     def _lock_file(self, stage: str, key: str) -> IO:
         lock_dir = self.cache / ".locks"
@@ -72,12 +131,15 @@ class Store:
             # a leftover without an ok manifest (e.g. from an older layout): it does not exist as an entry
             self.remove(final, key)
         os.rename(tmp, final)
+        # the files were hashed into the manifest just now: stamp them so the next hit need not hash them again
+        self.stamps.put(stage, key, integrity.stamps_of(final, read_manifest(final) or {}))
         return final
 
     def remove(self, path: Path, key: str, tag: str = "") -> None:
         """Rename away, then delete: a reader never sees half an entry."""
         trash = path.with_name(f".trash-{key}-{uuid.uuid4().hex[:8]}{tag}")
         os.rename(path, trash)
+        self.stamps.drop(path.parent.name, key)
         shutil.rmtree(trash, ignore_errors=True)
 
     def discard(self, tmp: Path) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import time
@@ -27,8 +28,22 @@ def stable_hash(obj) -> str:
 
 def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. disk full: leave no half-written temp file behind
+        raise
+
+
+def write_via_memory(path: Path, save) -> None:
+    """`save(file)` into memory, then one plain write to `path`. torch's zip writer aborts the whole process when the
+    disk fills mid-write (std::terminate in its destructor); a plain write fails with a clean OSError instead.
+    Costs a transient copy of the file in RAM."""
+    buf = io.BytesIO()
+    save(buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
 
 
 def read_manifest(entry: Path) -> Optional[dict]:

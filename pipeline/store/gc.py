@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.store import Store
+from pipeline.store import Store, integrity, outputs_digest
 from pipeline.store.files import read_manifest
 from pipeline.store.key import source_rev, tool_versions
 
@@ -85,3 +85,36 @@ def collect(store: Store, stages: dict, dry_run: bool, say=print) -> tuple[int, 
         finally:
             lock.close()
     return removed, freed, busy
+
+
+def verify(store: Store, stages: dict, say=print) -> tuple[int, int, int]:
+    """Hash every file of every entry against its manifest (no stamps trusted) and check each entry was built from
+    its inputs as they are now; damaged entries are quarantined. Returns (entries checked, quarantined, busy)."""
+    checked = quarantined = busy = 0
+    for name in stages:  # in stage order, so a quarantined input makes its dependents stale in the same pass
+        d = store.cache / name
+        for entry in sorted(d.iterdir()) if d.is_dir() else ():
+            m = read_manifest(entry)
+            if entry.name.startswith(".") or not m or m.get("status") != "ok" or m.get("key") != entry.name:
+                continue  # not an entry (gc's business, not fsck's)
+            checked += 1
+            found = integrity.problems(entry, m)
+            found += [f"built from {up}/{i['key'][:12]}, whose files have changed since"
+                      for up, i in (m.get("inputs") or {}).items()
+                      if i.get("outputs") is not None and store.entry(up, i["key"]).is_dir()
+                      and i["outputs"] != outputs_digest(store.entry(up, i["key"]))]  # a gone input: judged on use
+            if not found:
+                store.stamps.put(name, entry.name, integrity.stamps_of(entry, m))
+                continue
+            lock = store.try_lock(name, entry.name)
+            if lock is None:
+                say(f"damaged but busy, left in place: {name}/{entry.name} ({'; '.join(found)})")
+                busy += 1
+                continue
+            try:
+                moved = store.quarantine(name, entry.name, found)
+                say(f"quarantined {name}/{entry.name} -> {moved} ({'; '.join(found)})")
+                quarantined += 1
+            finally:
+                lock.close()
+    return checked, quarantined, busy
