@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -54,11 +55,20 @@ def test_sweep_with_a_failing_job_ends_in_a_report():
     assert {s["name"]: s["cache"] for s in later["stages"]}["wrap"] == "hit"
 
 
-def test_two_sweeps_at_once_share_one_cache_without_duplicates():
+def test_two_sweeps_and_a_gc_at_once_share_one_cache_without_duplicates():
     out = f"outputs/tests/concurrent-{uuid.uuid4().hex[:8]}"
     args = ("recipe=tiny_llama_xnnpack", "quantize=none,8da4w", "verify.enabled=false")
     procs = [sweep(*args, out=out, wait=False) for _ in range(2)]
-    results = [p.communicate(timeout=1800) for p in procs]
+    with ThreadPoolExecutor(2) as pool:  # drain their pipes meanwhile
+        outputs = [pool.submit(p.communicate, timeout=1800) for p in procs]
+        gcs = 0
+        while not all(f.done() for f in outputs):  # gc over and over beside them: it must take nothing they need
+            gc = subprocess.run([sys.executable, "-m", "pipeline.gc", "--output-dir", out], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
+            assert gc.returncode == 0, gc.stderr[-2000:]
+            gcs += 1
+        results = [f.result() for f in outputs]
+    assert gcs >= 2
     for p, (so, se) in zip(procs, results):
         assert p.returncode == 0, so[-3000:] + se[-3000:]
     store = ROOT / out / "cache"
