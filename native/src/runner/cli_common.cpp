@@ -1,6 +1,7 @@
 #include "runner/cli_common.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include <executorch/runtime/platform/platform.h>
@@ -177,10 +178,25 @@ void pal_log(et_timestamp_t, et_pal_log_level_t level, const char* filename, con
                base ? base + 1 : (filename ? filename : "?"), line, static_cast<int>(length), message);
 }
 
+// ExecuTorch's fatal checks (ET_CHECK) abort the process: e.g. a kernel of a damaged program handed a
+// value of the wrong type. That is a detected error, not a crash: exit 1 with the check's message (logged
+// just before by pal_log) instead of dying by SIGABRT. Memory faults are not caught here.
+[[noreturn]] void pal_abort() {
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "error: the ExecuTorch runtime stopped on a failed check (the [executorch F ...] line above): "
+               "the program is damaged or uses something this runner does not support\n");
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
 }  // namespace
 
 void init_runtime() {
-  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(pal_log, __FILE__));
+  // only the log and abort hooks are ours; the null entries keep the runtime's defaults
+  executorch::runtime::PalImpl pal = executorch::runtime::PalImpl::create(pal_log, __FILE__);
+  pal.abort = pal_abort;
+  executorch::runtime::register_pal(pal);
   executorch::runtime::runtime_init();
 }
 

@@ -67,6 +67,10 @@ void run_interactive(const Options& o, const ChatTemplate& tpl, const Tokenizer&
     bool first = marks.empty();
     std::vector<int64_t> ids = encode_turn(tok, tpl, line, first, info.bos_id);
     int64_t need = static_cast<int64_t>(ids.size()) + (pending >= 0 ? 1 : 0);
+    if (need == 0) {  // e.g. raw text (--chat 0) the tokenizer has no tokens for
+      std::fprintf(stderr, "[refused] this line encodes to no tokens\n> ");
+      continue;
+    }
     int64_t free_slots = cache.capacity() - cache.length();
     if (need > free_slots) {
       std::fprintf(stderr,

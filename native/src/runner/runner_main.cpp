@@ -159,7 +159,8 @@ int run(const Options& o) {
   if (!o.interactive) {
     std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids)
                                                 : encode_turn(*tok, tpl, o.prompt, true, info.bos_id);
-    if (ids.empty()) throw UsageError("the prompt is empty (no tokens)");
+    // an empty --prompt-ids is refused while parsing; a text that encodes to nothing is the tokenizer's doing
+    if (ids.empty()) throw ProgramError("the prompt encodes to no tokens (tokenizer '" + o.tokenizer + "')");
     cli::check_prompt_ids(ids, info.vocab_size);
     if (static_cast<int64_t>(ids.size()) > cache.capacity())
       throw ProgramError("the prompt has " + std::to_string(ids.size()) +

@@ -13,6 +13,8 @@ using cli::ms_since;
 
 const std::vector<float>& Runner::feed(const std::vector<int64_t>& ids) {
   const int64_t chunk = chunk_;
+  // no tokens means no logits to sample from; callers refuse an empty turn before this
+  if (ids.empty()) throw ProgramError("a turn with no tokens to feed");
   const std::vector<float>* logits = nullptr;
   for (size_t i = 0; i < ids.size(); i += chunk) {
     int64_t n = std::min<int64_t>(chunk, static_cast<int64_t>(ids.size() - i));

@@ -125,6 +125,14 @@ std::string evalue_text(const EValue& v) {
   return "<" + std::to_string(static_cast<int>(v.tag)) + ">";
 }
 
+// Why load_method may have failed: a missing kernel or backend names itself; anything else in a file that
+// passed the verifier is most likely damage inside it (delegate blobs and segments are not verified).
+std::string load_hint(Error e) {
+  if (e == Error::OperatorMissing || e == Error::NotFound)
+    return " (an operator or backend missing from this runner, or a damaged program?)";
+  return " (a damaged program? --verify-pte checks it against its recorded digest)";
+}
+
 bool evalue_int(const EValue& v, int64_t* out) {
   if (v.isInt()) {
     *out = v.toInt();
@@ -239,7 +247,7 @@ LlmProgram::LlmProgram(const std::string& path) {
   Error e = module_->load(executorch::runtime::Program::Verification::InternalConsistency);
   if (e != Error::Ok)
     throw ProgramError("cannot load .pte file '" + path + "': " + err_text(e) +
-                       " (corrupt or not an ExecuTorch program?)");
+                       " (damaged or not an ExecuTorch program?)");
   auto names = module_->method_names();
   if (!names.ok()) throw ProgramError("cannot list the methods of '" + path + "'");
   if (names->count("forward") == 0) throw ProgramError("the program has no 'forward' method");
@@ -324,8 +332,7 @@ LlmProgram::LlmProgram(const std::string& path) {
   position_limit_ = info_.max_context_len;
   e = module_->load_method("forward");
   if (e != Error::Ok)
-    throw ProgramError("cannot load method 'forward': " + err_text(e) +
-                       " (an operator or backend missing from this runner?)");
+    throw ProgramError("cannot load method 'forward': " + err_text(e) + load_hint(e));
   tok_buf_.resize(info_.max_seq_len);
   pos_buf_.resize(info_.max_seq_len);
   rows_buf_.resize(1);

@@ -18,6 +18,18 @@ namespace llmrt::tokenizer_detail {
 
 using json = nlohmann::json;
 
+// A Sequence inside a Sequence... is followed by recursion (from_json, apply): a damaged or hostile file
+// nested thousands deep would overflow the stack. Real tokenizers nest two or three levels.
+constexpr int kMaxNesting = 16;
+// Throws TokenizerError if a step nests deeper than kMaxNesting; `what` names the step's kind.
+void check_nesting(int depth, const char* what);
+
+// An integer of the file in [lo, hi], else TokenizerError naming `what` (a float, a string or a huge
+// number where an id or a count belongs; converting those unchecked is undefined behaviour).
+int64_t json_int(const json& v, const char* what, int64_t lo, int64_t hi);
+// The same for an optional member of an object, `fallback` if it is absent or null.
+int64_t json_int(const json& obj, const char* key, int64_t fallback, const char* what, int64_t lo, int64_t hi);
+
 // GPT-2 byte <-> unicode table used by ByteLevel (pre-tokenizer and decoder).
 struct ByteMap {
   std::string enc[256];  // byte -> UTF-8 of its printable char
@@ -38,7 +50,7 @@ struct Normalizer {
   std::string content;
   std::vector<std::unique_ptr<Normalizer>> children;
 
-  static std::unique_ptr<Normalizer> from_json(const json& j);
+  static std::unique_ptr<Normalizer> from_json(const json& j, int depth = 0);
   void apply(std::string& s) const;
 };
 
@@ -57,7 +69,7 @@ struct PreTokenizer {
   bool split = true;
   std::vector<std::unique_ptr<PreTokenizer>> children;
 
-  static std::unique_ptr<PreTokenizer> from_json(const json& j);
+  static std::unique_ptr<PreTokenizer> from_json(const json& j, int depth = 0);
   void apply(std::vector<Word>& words) const;
 };
 
@@ -70,7 +82,7 @@ struct Decoder {
   bool strip_first = true;       // Metaspace
   std::vector<std::unique_ptr<Decoder>> children;
 
-  static std::unique_ptr<Decoder> from_json(const json& j);
+  static std::unique_ptr<Decoder> from_json(const json& j, int depth = 0);
   // at_start: toks[0] is the first token of the whole output.
   // stream: decoding one token of a stream (the end is not known).
   void apply(std::vector<std::string>& toks, bool at_start, bool stream, bool& fused) const;
@@ -85,8 +97,10 @@ struct PostProcessor {
   std::vector<int32_t> before, after;  // kWrap (Bert/Roberta)
   std::vector<std::unique_ptr<PostProcessor>> children;
 
-  static std::unique_ptr<PostProcessor> from_json(const json& j);
+  static std::unique_ptr<PostProcessor> from_json(const json& j, int depth = 0);
   void apply(std::vector<int32_t>& ids) const;
+  // The largest id the processor inserts, or -1 (the loader checks it against the vocabulary).
+  int32_t largest_id() const;
   // The id the processor puts first (the BOS of Tokenizer::bos_id), or -1.
   int32_t leading_special() const;
 };

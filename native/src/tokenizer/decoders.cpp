@@ -9,7 +9,8 @@
 
 namespace llmrt::tokenizer_detail {
 
-std::unique_ptr<Decoder> Decoder::from_json(const json& j) {
+std::unique_ptr<Decoder> Decoder::from_json(const json& j, int depth) {
+  check_nesting(depth, "decoder");
   auto d = std::make_unique<Decoder>();
   std::string t = j.value("type", "");
   if (t == "ByteLevel") {
@@ -28,17 +29,19 @@ std::unique_ptr<Decoder> Decoder::from_json(const json& j) {
   } else if (t == "Strip") {
     d->kind = kStrip;
     d->content = j.at("content").get<std::string>();
-    d->start = j.value("start", 0);
-    d->stop = j.value("stop", 0);
+    // HF strips at most this many copies; a huge count of an empty content would spin for ever
+    d->start = static_cast<size_t>(json_int(j, "start", 0, "Strip decoder start", 0, 1 << 16));
+    d->stop = static_cast<size_t>(json_int(j, "stop", 0, "Strip decoder stop", 0, 1 << 16));
   } else if (t == "Metaspace") {
     d->kind = kMetaspace;
     d->replacement = j.value("replacement", std::string("\xE2\x96\x81"));
+    if (d->replacement.empty()) throw TokenizerError("tokenizer.json: Metaspace decoder with an empty replacement");
     std::string scheme = j.value("prepend_scheme", std::string());
     if (scheme.empty()) scheme = j.value("add_prefix_space", true) ? "always" : "never";
     d->strip_first = scheme != "never";
   } else if (t == "Sequence") {
     d->kind = kSequence;
-    for (auto& c : j.at("decoders")) d->children.push_back(from_json(c));
+    for (auto& c : j.at("decoders")) d->children.push_back(from_json(c, depth + 1));
   } else {
     throw TokenizerError("tokenizer.json: unsupported decoder type '" + t + "'");
   }
@@ -102,6 +105,7 @@ void Decoder::apply(std::vector<std::string>& toks, bool at_start, bool stream, 
       return;
     }
     case kStrip:
+      if (content.empty()) return;  // nothing to strip (and no progress to make)
       for (size_t i = 0; i < toks.size(); ++i) {
         auto& t = toks[i];
         // After a Fuse the list is one string: in a stream, only its very

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -218,6 +219,13 @@ void Tokenizer::Impl::load(const std::string& path) {
   {
     int64_t max_id = -1;
     for (auto& e : entries) max_id = std::max(max_id, e.second);
+    // The tables below are indexed by id: a damaged id (say 2^30 among 100 entries) would ask for
+    // gigabytes. Real vocabularies are dense (ids 0..N-1), so allow gaps but not that.
+    const int64_t id_limit = 2 * static_cast<int64_t>(entries.size()) + 1024;
+    if (max_id >= id_limit)
+      throw TokenizerError("tokenizer.json: model.vocab has id " + std::to_string(max_id) + " for " +
+                           std::to_string(entries.size()) + " entries (ids must be below " +
+                           std::to_string(id_limit) + "; damaged file?)");
     vocab_str.assign(static_cast<size_t>(max_id + 1), std::string());
     vocab_present.assign(static_cast<size_t>(max_id + 1), 0);
     for (auto& e : entries) {
@@ -282,13 +290,12 @@ void Tokenizer::Impl::load(const std::string& path) {
     for (auto& t : j["added_tokens"]) {
       AddedToken at;
       at.content = t.at("content").get<std::string>();
-      at.id = t.at("id").get<int32_t>();
+      at.id = static_cast<int32_t>(json_int(t.at("id"), "added token id", 0, INT32_MAX));
       at.special = t.value("special", false);
       at.normalized = t.value("normalized", !at.special);
       at.lstrip = t.value("lstrip", false);
       at.rstrip = t.value("rstrip", false);
       at.single_word = t.value("single_word", false);
-      if (at.id < 0) throw TokenizerError("tokenizer.json: negative added token id");
       size = std::max<int64_t>(size, int64_t(at.id) + 1);
       added_by_content.emplace(at.content, at.id);
       added_by_id[at.id] = static_cast<int>(added.size());
@@ -303,6 +310,10 @@ void Tokenizer::Impl::load(const std::string& path) {
   if (j.contains("post_processor") && !j["post_processor"].is_null())
     post_processor = PostProcessor::from_json(j["post_processor"]);
   if (j.contains("decoder") && !j["decoder"].is_null()) decoder = Decoder::from_json(j["decoder"]);
+  // the ids a template inserts go into the prompt: they must be ids of this tokenizer
+  if (post_processor && post_processor->largest_id() >= size)
+    throw TokenizerError("tokenizer.json: post_processor inserts id " + std::to_string(post_processor->largest_id()) +
+                         ", outside the vocabulary of " + std::to_string(size) + " ids");
 
   for (size_t i = 0; i < added.size(); ++i) {
     const AddedToken& at = added[i];

@@ -6,7 +6,8 @@
 
 namespace llmrt::tokenizer_detail {
 
-std::unique_ptr<Normalizer> Normalizer::from_json(const json& j) {
+std::unique_ptr<Normalizer> Normalizer::from_json(const json& j, int depth) {
+  check_nesting(depth, "normalizer");
   auto n = std::make_unique<Normalizer>();
   std::string t = j.value("type", "");
   if (t == "Replace") {
@@ -18,7 +19,7 @@ std::unique_ptr<Normalizer> Normalizer::from_json(const json& j) {
     n->content = j.at("prepend").get<std::string>();
   } else if (t == "Sequence") {
     n->kind = kSequence;
-    for (auto& c : j.at("normalizers")) n->children.push_back(from_json(c));
+    for (auto& c : j.at("normalizers")) n->children.push_back(from_json(c, depth + 1));
   } else {
     throw TokenizerError("tokenizer.json: unsupported normalizer type '" + t + "'");
   }

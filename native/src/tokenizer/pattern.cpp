@@ -1,9 +1,11 @@
 #include "tokenizer/pattern.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include <nlohmann/json.hpp>
 
+#include "tokenizer/components.h"
 #include "tokenizer/tokenizer.h"
 
 namespace llmrt::tokenizer_detail {
@@ -57,6 +59,27 @@ void apply_behavior(std::vector<std::pair<std::pair<size_t, size_t>, bool>>& m, 
 }
 
 }  // namespace
+
+void check_nesting(int depth, const char* what) {
+  if (depth > kMaxNesting)
+    throw TokenizerError(std::string("tokenizer.json: ") + what + " Sequences nest deeper than " +
+                         std::to_string(kMaxNesting) + " levels");
+}
+
+int64_t json_int(const json& v, const char* what, int64_t lo, int64_t hi) {
+  // is_number_integer covers both signed and unsigned; an unsigned above INT64_MAX is out of range anyway
+  bool ok = v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX));
+  int64_t x = ok ? v.get<int64_t>() : 0;
+  if (!ok || x < lo || x > hi)
+    throw TokenizerError(std::string("tokenizer.json: ") + what + " must be an integer in [" + std::to_string(lo) +
+                         ", " + std::to_string(hi) + "], got " + v.dump().substr(0, 40));
+  return x;
+}
+
+int64_t json_int(const json& obj, const char* key, int64_t fallback, const char* what, int64_t lo, int64_t hi) {
+  auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? fallback : json_int(*it, what, lo, hi);
+}
 
 Behavior parse_behavior(const std::string& s) {
   if (s == "Removed") return Behavior::Removed;

@@ -1,4 +1,7 @@
 // Post-processors: TemplateProcessing, ByteLevel (no-op on ids), Bert/RobertaProcessing, Sequence.
+#include <algorithm>
+#include <cstdint>
+
 #include <nlohmann/json.hpp>
 
 #include "tokenizer/components.h"
@@ -6,7 +9,8 @@
 
 namespace llmrt::tokenizer_detail {
 
-std::unique_ptr<PostProcessor> PostProcessor::from_json(const json& j) {
+std::unique_ptr<PostProcessor> PostProcessor::from_json(const json& j, int depth) {
+  check_nesting(depth, "post_processor");
   auto p = std::make_unique<PostProcessor>();
   std::string t = j.value("type", "");
   if (t == "TemplateProcessing") {
@@ -21,7 +25,10 @@ std::unique_ptr<PostProcessor> PostProcessor::from_json(const json& j) {
         if (!specials.contains(name))
           throw TokenizerError("tokenizer.json: TemplateProcessing refers to unknown special token '" +
                                name + "'");
-        p->items.push_back(specials[name].at("ids").get<std::vector<int32_t>>());
+        std::vector<int32_t> ids;
+        for (const json& id : specials[name].at("ids"))
+          ids.push_back(static_cast<int32_t>(json_int(id, "TemplateProcessing special token id", 0, INT32_MAX)));
+        p->items.push_back(std::move(ids));
         p->is_seq.push_back(false);
       } else {
         throw TokenizerError("tokenizer.json: unsupported TemplateProcessing item");
@@ -31,11 +38,11 @@ std::unique_ptr<PostProcessor> PostProcessor::from_json(const json& j) {
     p->kind = kNoop;
   } else if (t == "BertProcessing" || t == "RobertaProcessing") {
     p->kind = kWrap;
-    p->before.push_back(j.at("cls").at(1).get<int32_t>());
-    p->after.push_back(j.at("sep").at(1).get<int32_t>());
+    p->before.push_back(static_cast<int32_t>(json_int(j.at("cls").at(1), "cls id", 0, INT32_MAX)));
+    p->after.push_back(static_cast<int32_t>(json_int(j.at("sep").at(1), "sep id", 0, INT32_MAX)));
   } else if (t == "Sequence") {
     p->kind = kSequence;
-    for (auto& c : j.at("processors")) p->children.push_back(from_json(c));
+    for (auto& c : j.at("processors")) p->children.push_back(from_json(c, depth + 1));
   } else {
     throw TokenizerError("tokenizer.json: unsupported post_processor type '" + t + "'");
   }
@@ -67,6 +74,16 @@ void PostProcessor::apply(std::vector<int32_t>& ids) const {
       return;
     }
   }
+}
+
+int32_t PostProcessor::largest_id() const {
+  int32_t m = -1;
+  for (const auto& item : items)
+    for (int32_t id : item) m = std::max(m, id);
+  for (int32_t id : before) m = std::max(m, id);
+  for (int32_t id : after) m = std::max(m, id);
+  for (const auto& c : children) m = std::max(m, c->largest_id());
+  return m;
 }
 
 int32_t PostProcessor::leading_special() const {

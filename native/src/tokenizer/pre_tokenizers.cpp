@@ -29,7 +29,8 @@ const char* kGpt2Pattern =
 
 }  // namespace
 
-std::unique_ptr<PreTokenizer> PreTokenizer::from_json(const json& j) {
+std::unique_ptr<PreTokenizer> PreTokenizer::from_json(const json& j, int depth) {
+  check_nesting(depth, "pre_tokenizer");
   auto p = std::make_unique<PreTokenizer>();
   std::string t = j.value("type", "");
   if (t == "ByteLevel") {
@@ -63,10 +64,12 @@ std::unique_ptr<PreTokenizer> PreTokenizer::from_json(const json& j) {
     if (p->prepend_scheme.empty())
       p->prepend_scheme = j.value("add_prefix_space", true) ? "always" : "never";
     p->split = j.value("split", true);
+    // an empty replacement would be an empty split pattern: it matches everywhere without advancing
+    if (p->replacement.empty()) throw TokenizerError("tokenizer.json: Metaspace pre_tokenizer with an empty replacement");
     p->pattern.literal = p->replacement;
   } else if (t == "Sequence") {
     p->kind = kSequence;
-    for (auto& c : j.at("pretokenizers")) p->children.push_back(from_json(c));
+    for (auto& c : j.at("pretokenizers")) p->children.push_back(from_json(c, depth + 1));
   } else {
     throw TokenizerError("tokenizer.json: unsupported pre_tokenizer type '" + t + "'");
   }
