@@ -178,12 +178,15 @@ def gate_of(cfg) -> str:
 
 
 def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
-    """(label, token ids) of every prompt: the configured ones, then the long one that crosses the chunk."""
+    """(label, token ids) of every prompt: the configured ones, then the long one that crosses the chunk and, on a
+    model with sliding windows, wraps every window's ring (window + chunk - 1 slots), so a misplaced ring shows."""
     vc, e = ctx.cfg.verify, ctx.cfg.export
     prompts = [(text, prompt_ids(tok, text, vc.chat)) for text in vc.prompts]
     if vc.long_prompt:
         from pipeline.fidelity import corpus_chunks
-        n = min(e.prefill_chunk + 16, e.max_context_len - vc.max_new_tokens)
+        window = ctx.geometry.smallest_window() if ctx.geometry is not None else None
+        n = e.prefill_chunk + 16 if window is None else window + e.prefill_chunk + 16
+        n = min(n, e.max_context_len - vc.max_new_tokens)
         ids = corpus_chunks(tok, n, 1)[0]
         prompts.append((f"(bench/corpus prose, {n} tokens)", ids))
     return prompts
