@@ -184,7 +184,7 @@ def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
     prompts = [(text, prompt_ids(tok, text, vc.chat)) for text in vc.prompts]
     if vc.long_prompt:
         from pipeline.fidelity import corpus_chunks
-        window = ctx.geometry.smallest_window() if ctx.geometry is not None else None
+        window = ctx.geometry.smallest_window if ctx.geometry is not None else None
         n = e.prefill_chunk + 16 if window is None else window + e.prefill_chunk + 16
         n = min(n, e.max_context_len - vc.max_new_tokens)
         ids = corpus_chunks(tok, n, 1)[0]
