@@ -3,10 +3,12 @@ build without the fault passes: tiny random models, each scheme's gate (bench/ga
 the real models and calibrates the thresholds)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline.errors import StageError
-from tests.helpers import build
+from tests.helpers import build, stage_path
 
 CASES = {
     "fp32 (exact gate)": ("tiny_llama_xnnpack",),
@@ -23,8 +25,11 @@ def test_a_broken_program_fails_the_gate(case, fault):
 
 
 def test_a_ring_one_slot_short_fails_the_gate():
-    """Rings of window + chunk - 2 slots: the prompt that crosses the chunk wraps them (tiny gemma3: window 16,
-    chunk 8, context 64)."""
-    assert build("tiny_gemma3_custom")["status"] == "ok"
+    """Rings of window + chunk - 2 slots: verify's long prompt (window + chunk + 16 tokens) wraps them (tiny gemma3:
+    window 16, chunk 8, context 64)."""
+    good = build("tiny_gemma3_custom")
+    assert good["status"] == "ok"
+    report = json.loads((stage_path(good, "verify") / "report.json").read_text())
+    assert len(report["prompts"][-1]["prompt_ids"]) == 16 + 8 + 16
     with pytest.raises(StageError, match="stage (verify|lower) failed"):
         build("tiny_gemma3_custom", "export.fault=ring_one_short")
