@@ -29,7 +29,7 @@ WORKERS = 2  # the machine has 2 cores; each runner gets --threads 1
 # Leak checking stays on: the uninstrumented ExecuTorch libraries showed no leak reports (their heap goes
 # through ASan's malloc too). A huge allocation fails as in the Release build (std::bad_alloc -> exit 1)
 # instead of being an ASan report.
-SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:allocator_may_return_null=1:abort_on_error=0",
+SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:allocator_may_return_null=1:abort_on_error=1",
            "UBSAN_OPTIONS": "print_stacktrace=1"}
 SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "SUMMARY: ")
 

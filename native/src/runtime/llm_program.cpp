@@ -11,6 +11,7 @@
 #include <executorch/runtime/core/evalue.h>
 
 #include "kernels/offgraph_cache.h"
+#include "runtime/pte_check.h"
 
 namespace llmrt {
 
@@ -248,6 +249,8 @@ LlmProgram::LlmProgram(const std::string& path) {
   if (e != Error::Ok)
     throw ProgramError("cannot load .pte file '" + path + "': " + err_text(e) +
                        " (damaged or not an ExecuTorch program?)");
+  // before any method loads: what the verifier does not cover and the loader would follow blindly
+  check_program_plans(path);
   auto names = module_->method_names();
   if (!names.ok()) throw ProgramError("cannot list the methods of '" + path + "'");
   if (names->count("forward") == 0) throw ProgramError("the program has no 'forward' method");

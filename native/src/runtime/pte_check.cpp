@@ -1,10 +1,22 @@
 #include "runtime/pte_check.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "runtime/flatbuffer_view.h"
 #include "runtime/llm_program.h"
 #include "runtime/sha256.h"
 
@@ -74,6 +86,329 @@ std::string verify_pte_digest(const std::string& path, const std::string& spec) 
                        expected + (from_manifest ? " (" + dir_of(path) + "/manifest.json)" : std::string()) +
                        ", actual " + actual + " (damaged or a different file)");
   return actual;
+}
+
+}  // namespace llmrt
+
+// ---------------------------------------------------------------------------------------------------------
+// check_program_plans: the execution plans, read with the field numbers of ExecuTorch's program.fbs and
+// the XNNPACK delegate's runtime_schema.fbs (a union field takes two numbers: its type, then its value).
+
+namespace llmrt {
+
+namespace {
+
+namespace program_f { enum { execution_plan = 1, backend_delegate_data = 3, segments = 4 }; }
+namespace plan_f { enum { name = 0, values = 2, chains = 5, operators = 6, delegates = 7, buffer_sizes = 8 }; }
+namespace evalue_f { enum { val_type = 0, val = 1 }; }
+enum KernelType : uint8_t { kTensor = 5 };
+namespace tensor_f { enum { data_buffer_idx = 5, allocation_info = 6, extra_tensor_info = 9 }; }
+namespace extra_info_f { enum { location = 2 }; }
+namespace op_f { enum { name = 0, overload = 1 }; }
+namespace chain_f { enum { instructions = 2 }; }
+namespace instr_f { enum { args_type = 0, args = 1 }; }
+enum InstrKind : uint8_t { kKernelCall = 1, kDelegateCall = 2, kJumpFalseCall = 4 };
+namespace call_f { enum { index = 0, args = 1, destination = 1 }; }  // op / delegate / cond index first
+namespace delegate_f { enum { id = 0, processed = 1, compile_specs = 2 }; }
+namespace data_ref_f { enum { location = 0, index = 1 }; }
+namespace spec_f { enum { key = 0, value = 1 }; }
+namespace segment_f { enum { offset = 0, size = 1 }; }
+namespace xnn_graph_f { enum { xnodes = 1, xvalues = 2, num_externs = 3 }; }
+namespace xnn_union_f { enum { type = 0, value = 1 }; }  // XValue.xvalue_union, XNode.xnode_union
+enum XnnValueKind : uint8_t { kXnnQuantizedTensor = 2 };
+
+// The whole file, mapped read-only.
+class MappedPte {
+ public:
+  explicit MappedPte(const std::string& path) {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    struct stat st;
+    if (fd < 0 || ::fstat(fd, &st) != 0) {
+      if (fd >= 0) ::close(fd);
+      throw ProgramError("cannot open .pte file '" + path + "': " + std::strerror(errno));
+    }
+    size_ = static_cast<size_t>(st.st_size);
+    void* p = size_ ? ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+    ::close(fd);
+    if (p != MAP_FAILED) data_ = static_cast<const uint8_t*>(p);
+  }
+  ~MappedPte() {
+    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  }
+  MappedPte(const MappedPte&) = delete;
+  MappedPte& operator=(const MappedPte&) = delete;
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return data_ ? size_ : 0; }
+
+ private:
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// The extended header ("eh00" at byte 8): where the flatbuffer ends and the segments start.
+struct PteLayout {
+  size_t program_size = 0, segment_base = 0;
+  bool has_segments = false;
+};
+
+PteLayout pte_layout(const fb::View& file) {
+  PteLayout l;
+  l.program_size = file.size();
+  auto magic = file.read<uint32_t>(8);
+  auto program_size = file.read<uint64_t>(16);
+  auto segment_base = file.read<uint64_t>(24);
+  if (magic && std::memcmp(file.bytes(8), "eh00", 4) == 0 && program_size && segment_base &&
+      *program_size <= file.size() && *segment_base <= file.size()) {
+    l.program_size = static_cast<size_t>(*program_size);
+    l.segment_base = static_cast<size_t>(*segment_base);
+    l.has_segments = true;
+  }
+  return l;
+}
+
+// The bytes of a delegate's data (inline in the flatbuffer or in a segment), if they can be found.
+std::optional<fb::View> delegate_data(const fb::Table& program, const fb::Table& delegate, const fb::View& file,
+                                      const PteLayout& layout) {
+  fb::Table ref = delegate.table(delegate_f::processed);
+  const auto index = ref.scalar<uint32_t>(data_ref_f::index, 0);
+  if (ref.scalar<uint8_t>(data_ref_f::location, 0) == 0) {  // INLINE: backend_delegate_data[index].data
+    auto list = program.vec(program_f::backend_delegate_data, 4);
+    if (!list || index >= list->len) return std::nullopt;
+    auto bytes = program.elem(*list, index).vec(0, 1);
+    if (!bytes) return std::nullopt;
+    return fb::View(program.view().bytes(bytes->start), bytes->len);
+  }
+  auto segments = program.vec(program_f::segments, 4);
+  if (!layout.has_segments || !segments || index >= segments->len) return std::nullopt;
+  fb::Table seg = program.elem(*segments, index);
+  const uint64_t off = seg.scalar<uint64_t>(segment_f::offset, 0), n = seg.scalar<uint64_t>(segment_f::size, 0);
+  if (off > file.size() || !file.has(layout.segment_base + off, n)) return std::nullopt;  // the loader refuses it
+  return fb::View(file.bytes(layout.segment_base + off), n);
+}
+
+// An XNNPACK delegate's graph (its flatbuffer after the "XH00" header), or an empty Table.
+fb::Table xnnpack_graph(const fb::View& blob, fb::View* graph_buf) {
+  // XNNHeader: "XH00" at byte 4, then u16 header length, u32 flatbuffer offset, u32 flatbuffer size
+  size_t fb_off = 0, fb_size = blob.size();
+  if (blob.has(4, 4) && std::memcmp(blob.bytes(4), "XH00", 4) == 0) {
+    auto off = blob.read<uint32_t>(10);
+    auto n = blob.read<uint32_t>(14);
+    if (!off || !n || !blob.has(*off, *n)) return fb::Table();
+    fb_off = *off;
+    fb_size = *n;
+  }
+  *graph_buf = fb::View(blob.bytes(fb_off), fb_size);
+  return fb::Table::root(*graph_buf);
+}
+
+// What XNNCompiler (ExecuTorch 1.5) dereferences unchecked in a graph its flatbuffer verifier accepted: the
+// value of every value and node union (a union may carry its type without its value). "" = fine.
+std::string xnnpack_graph_problem(const fb::Table& graph) {
+  auto unions = [&](int list_field, const char* what) -> std::string {
+    auto list = graph.vec(list_field, 4);
+    for (size_t k = 0; list && k < list->len; ++k) {
+      fb::Table item = graph.elem(*list, k);
+      fb::Table value = item ? item.table(xnn_union_f::value) : fb::Table();
+      if (!value) return std::string(what) + " " + std::to_string(k) + " has no value";
+      if (list_field == xnn_graph_f::xvalues &&
+          item.scalar<uint8_t>(xnn_union_f::type, 0) == kXnnQuantizedTensor && !value.table(0))
+        return std::string(what) + " " + std::to_string(k) + " (quantized) has no tensor";
+    }
+    return "";
+  };
+  std::string p = unions(xnn_graph_f::xvalues, "value");
+  return p.empty() ? unions(xnn_graph_f::xnodes, "node") : p;
+}
+
+// A constant tensor: its data lives in the program (mapped read-only), not in planned memory.
+bool is_constant_tensor(const fb::Table& value) {
+  if (value.scalar<uint8_t>(evalue_f::val_type, 0) != kTensor) return false;
+  fb::Table t = value.table(evalue_f::val);
+  if (!t || t.table(tensor_f::allocation_info)) return false;
+  fb::Table extra = t.table(tensor_f::extra_tensor_info);
+  const bool external = extra && extra.scalar<uint8_t>(extra_info_f::location, 0) == 1;
+  return t.scalar<uint32_t>(tensor_f::data_buffer_idx, 0) > 0 || external;
+}
+
+// The argument a kernel writes by the operator naming convention: the last one of an out variant
+// ("out", "Scalar_out", ...), the first one of an in-place op ("copy_"); -1 if neither.
+int written_arg(std::string_view name, std::string_view overload, size_t n_args) {
+  auto ends_with = [](std::string_view s, std::string_view tail) {
+    return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+  };
+  if (n_args == 0) return -1;
+  if (overload == "out" || ends_with(overload, "_out")) return static_cast<int>(n_args) - 1;
+  if (ends_with(name, "_") && !ends_with(name, "__")) return 0;
+  return -1;
+}
+
+// The machine's physical memory: a plan that asks for more cannot run here anyway.
+uint64_t physical_memory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : UINT64_MAX;
+}
+
+class PlanChecker {
+ public:
+  PlanChecker(const std::string& path, const fb::Table& program, const fb::View& file, const PteLayout& layout)
+      : path_(path), program_(program), file_(file), layout_(layout) {}
+
+  void check(const fb::Table& plan, size_t plan_index) {
+    auto name = plan.string(plan_f::name);
+    where_ = "execution plan " + std::to_string(plan_index);
+    if (!name) fail("has no name");
+    where_ = "method '" + std::string(*name) + "'";
+    check_memory(plan);
+    check_operators(plan);
+    check_delegates(plan);
+    values_ = plan.vec(plan_f::values, 4);
+    plan_ = plan;
+    auto chains = plan.vec(plan_f::chains, 4);
+    for (size_t c = 0; chains && c < chains->len; ++c) check_chain(plan.elem(*chains, c), c);
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw ProgramError("'" + path_ + "' is damaged: " + where_ + " " + what +
+                       " (refused before ExecuTorch would follow it; --verify-pte compares a file with its "
+                       "recorded digest)");
+  }
+
+  // Module allocates every planned buffer up front: a damaged size would be a huge (or negative) request.
+  void check_memory(const fb::Table& plan) {
+    auto sizes = plan.vec(plan_f::buffer_sizes, 8);
+    const uint64_t limit = physical_memory();
+    uint64_t total = 0;
+    for (size_t k = 0; sizes && k < sizes->len; ++k) {
+      const int64_t n = *plan.view().read<int64_t>(sizes->start + 8 * k);
+      if (n < 0 || static_cast<uint64_t>(n) > limit - total)
+        fail("plans " + std::to_string(n) + " bytes for buffer " + std::to_string(k) + " (" +
+             std::to_string(total) + " before it), more than this machine's " + std::to_string(limit) +
+             " bytes of memory");
+      total += static_cast<uint64_t>(n);
+    }
+  }
+
+  void check_operators(const fb::Table& plan) {
+    auto ops = plan.vec(plan_f::operators, 4);
+    n_ops_ = ops ? ops->len : 0;
+    for (size_t k = 0; k < n_ops_; ++k)
+      if (!plan.elem(*ops, k).string(0)) fail("has operator " + std::to_string(k) + " without a name");
+  }
+
+  void check_delegates(const fb::Table& plan) {
+    auto delegates = plan.vec(plan_f::delegates, 4);
+    n_delegates_ = delegates ? delegates->len : 0;
+    xnn_args_.assign(n_delegates_, 0);
+    for (size_t k = 0; k < n_delegates_; ++k) {
+      fb::Table d = plan.elem(*delegates, k);
+      const std::string what = "has delegate " + std::to_string(k);
+      auto id = d.string(delegate_f::id);
+      if (!id) fail(what + " without a backend id");
+      if (!d.table(delegate_f::processed)) fail(what + " without a data reference");
+      check_compile_specs(d, what);
+      if (*id == "XnnpackBackend") check_xnnpack(d, k, what);
+    }
+  }
+
+  // The executor indexes the call's arguments by the graph's external ids (below num_externs), unchecked.
+  void check_xnnpack(const fb::Table& d, size_t k, const std::string& what) {
+    auto blob = delegate_data(program_, d, file_, layout_);
+    fb::View graph_buf(nullptr, 0);
+    fb::Table graph = blob ? xnnpack_graph(*blob, &graph_buf) : fb::Table();
+    if (!graph) return;  // not found or not readable: XNNPACK's own checks refuse it
+    const std::string problem = xnnpack_graph_problem(graph);
+    if (!problem.empty()) fail(what + " (XNNPACK): graph " + problem);
+    xnn_args_[k] = graph.scalar<uint32_t>(xnn_graph_f::num_externs, 0);
+  }
+
+  void check_compile_specs(const fb::Table& d, const std::string& what) {
+    auto specs = d.vec(delegate_f::compile_specs, 4);
+    for (size_t s = 0; specs && s < specs->len; ++s) {
+      fb::Table spec = d.elem(*specs, s);
+      if (!spec || !spec.string(spec_f::key) || !spec.vec(spec_f::value, 1))
+        fail(what + " with compile spec " + std::to_string(s) + " missing its key or value");
+    }
+  }
+
+  void check_chain(const fb::Table& chain, size_t c) {
+    auto instrs = chain.vec(chain_f::instructions, 4);
+    if (!instrs) fail("has chain " + std::to_string(c) + " without instructions");
+    for (size_t i = 0; i < instrs->len; ++i) {
+      fb::Table ins = chain.elem(*instrs, i);
+      fb::Table args = ins.table(instr_f::args);
+      if (!args) continue;  // the loader refuses a null instruction itself
+      const std::string at = "instruction " + std::to_string(i) + " of chain " + std::to_string(c);
+      const auto index = args.scalar<int32_t>(call_f::index, 0);
+      switch (ins.scalar<uint8_t>(instr_f::args_type, 0)) {
+        case kKernelCall:
+          if (index < 0 || static_cast<size_t>(index) >= n_ops_)
+            fail(at + " calls operator " + std::to_string(index) + " of " + std::to_string(n_ops_));
+          check_written_arg(args, static_cast<size_t>(index), at);
+          break;
+        case kDelegateCall: check_delegate_call(args, index, at); break;
+        case kJumpFalseCall: {
+          const auto dest = args.scalar<int32_t>(call_f::destination, 0);
+          if (dest < 0 || static_cast<size_t>(dest) > instrs->len)
+            fail(at + " jumps to instruction " + std::to_string(dest) + " of " + std::to_string(instrs->len));
+          break;
+        }
+        default: break;  // the other kinds the loader checks itself
+      }
+    }
+  }
+
+  // A kernel writing into a constant would write into the read-only mapped file (SIGSEGV).
+  void check_written_arg(const fb::Table& args, size_t op_index, const std::string& at) {
+    auto list = args.vec(call_f::args, 4);
+    auto ops = plan_.vec(plan_f::operators, 4);
+    if (!list || !ops || !values_) return;  // the loader refuses missing args itself
+    fb::Table op = plan_.elem(*ops, op_index);
+    const int w = written_arg(op.string(op_f::name).value_or(""), op.string(op_f::overload).value_or(""), list->len);
+    if (w < 0) return;
+    const int32_t v = *args.view().read<int32_t>(list->start + 4 * static_cast<size_t>(w));
+    if (v < 0 || static_cast<size_t>(v) >= values_->len) return;  // the loader refuses a bad index itself
+    if (is_constant_tensor(plan_.elem(*values_, static_cast<size_t>(v))))
+      fail(at + " (" + std::string(op.string(op_f::name).value_or("?")) + ") writes its output into constant value " +
+           std::to_string(v));
+  }
+
+  void check_delegate_call(const fb::Table& args, int32_t index, const std::string& at) {
+    if (index < 0 || static_cast<size_t>(index) >= n_delegates_)
+      fail(at + " calls delegate " + std::to_string(index) + " of " + std::to_string(n_delegates_));
+    auto list = args.vec(call_f::args, 4);
+    const size_t given = list ? list->len : 0, needed = xnn_args_[static_cast<size_t>(index)];
+    if (given < needed)
+      fail(at + " passes " + std::to_string(given) + " arguments to XNNPACK delegate " + std::to_string(index) +
+           ", whose graph has " + std::to_string(needed) + " external values");
+  }
+
+  const std::string& path_;
+  const fb::Table& program_;
+  const fb::View& file_;
+  const PteLayout& layout_;
+  std::string where_;
+  fb::Table plan_;
+  std::optional<fb::Table::Vec> values_;
+  size_t n_ops_ = 0, n_delegates_ = 0;
+  std::vector<size_t> xnn_args_;  // per delegate: arguments its XNNPACK graph needs (0 = not XNNPACK)
+};
+
+}  // namespace
+
+void check_program_plans(const std::string& path) {
+  MappedPte mapped(path);
+  fb::View file(mapped.data(), mapped.size());
+  const PteLayout layout = pte_layout(file);
+  fb::View flatbuffer(mapped.data(), layout.program_size);
+  fb::Table program = fb::Table::root(flatbuffer);
+  auto plans = program ? program.vec(program_f::execution_plan, 4) : std::nullopt;
+  if (!plans) return;  // nothing to walk: the loader has already refused such a file
+  PlanChecker checker(path, program, file, layout);
+  for (size_t p = 0; p < plans->len; ++p) {
+    fb::Table plan = program.elem(*plans, p);
+    if (plan) checker.check(plan, p);
+  }
 }
 
 }  // namespace llmrt
