@@ -49,8 +49,13 @@ def verify(overrides: list[str]) -> dict:
     run = Path(lines[-1].split(": ", 1)[1]).parent
     report = next((p for p in (run / "verify" / "report.json", run / "failed-verify" / "report.json")
                    if p.exists()), None)
-    if report is None:
-        sys.exit(f"build {' '.join(overrides)} failed before verify:\n{r.stderr[-2000:]}")
+    if report is None:  # verify stopped before its report: the program itself refused to run (e.g. a ring
+        # too short for a position); still a failed verify, with no figures
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+        if not errors or "stage verify failed" not in errors[-1]:
+            sys.exit(f"build {' '.join(overrides)} failed before verify:\n{r.stderr[-2000:]}")
+        return {"passed": False, "gate": None, **{k: None for k in FIGURES}, "floor_kld": None,
+                "problems": [errors[-1][len("error: "):]]}
     rep = json.loads(report.read_text())
     same = rep["summary"].get("same_quant") or _summarize(rep["prompts"])
     floor = rep["summary"].get("floor") or _summarize(rep["prompts"], "floor", greedy=False)
@@ -74,6 +79,10 @@ def table(rows: list[dict]) -> str:
     lines = ["| model | build | fault | gate | greedy | max abs dlogit | top-1 | KLD | floor | KLD / floor | verdict |",
              "|" + "---|" * 11]
     for r in rows:
+        if r["kld"] is None:  # the program refused to run: no figures, the error instead
+            lines.append(f"| {r['model']} | {r['build']} | {r['fault'] or '(correct)'} | - | - | - | - | - | - | - | "
+                         f"FAIL: {r['problems'][0].split(' (manifest')[0]} |")
+            continue
         floor = r.get("floor_kld")
         ratio = f"{r['kld'] / floor:.2f}" if floor else "-"
         lines.append(f"| {r['model']} | {r['build']} | {r['fault'] or '(correct)'} | {r['gate']} | "
@@ -107,14 +116,17 @@ def main() -> None:
                 rows = [r for r in rows if (r["model"], r["build"], r["fault"]) != (model, name, fault)] + [row]
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(rows, indent=2))
+                if row["kld"] is None:
+                    print(f"{model:8} {name:34} {str(fault):20} fail  {row['problems'][0]}", flush=True)
+                    continue
                 print(f"{model:8} {name:34} {str(fault):20} {'PASS' if row['passed'] else 'fail'}  gate {row['gate']}"
                       f"  greedy {row['greedy_match']}/{row['greedy_total']}  max|dlogit| {row['max_logit_err']:.3g}"
                       f"  top-1 {row['top1']:.3f}  KLD {row['kld']:.3g}"
                       + (f"  floor {row['floor_kld']:.3g} (x{row['kld'] / max(row['floor_kld'], 1e-12):.2f})"
                          if row["floor_kld"] is not None else ""), flush=True)
-    for gate in sorted({r["gate"] for r in rows}):
+    for gate in sorted({r["gate"] for r in rows if r["gate"]}):
         good = [r for r in rows if r["gate"] == gate and r["fault"] is None]
-        bad = [r for r in rows if r["gate"] == gate and r["fault"] is not None]
+        bad = [r for r in rows if r["gate"] == gate and r["fault"] is not None and r["kld"] is not None]
         if good and bad:
             print(f"\ngate {gate}: worst correct KLD {max(r['kld'] for r in good):.3g}, top-1 "
                   f"{min(r['top1'] for r in good):.3f}; best broken KLD {min(r['kld'] for r in bad):.3g}, top-1 "
