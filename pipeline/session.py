@@ -180,6 +180,10 @@ def _finish_manifest(manifest: dict, entries: dict, cfg) -> None:
         manifest["tokenizer"] = str(entries["download"] / "model" / "tokenizer.json")
     if "lower" in entries:
         manifest.update(EXPORTERS[cfg.export.exporter].artifacts(entries["lower"]))
+        # what `llm_runner --verify-pte` checks the file against (it reads the lower entry's manifest beside it)
+        recorded = (read_manifest(entries["lower"]) or {}).get("outputs", {}).get(Path(manifest.get("pte", "")).name)
+        if recorded:
+            manifest["pte_sha256"] = recorded["sha256"]
     verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
     if verify:
         manifest["verify"] = verify["metrics"]

@@ -24,6 +24,7 @@ def test_rerun_is_all_hits_and_manifests_have_lineage():
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in first["stages"]]
     for key in ("recipe", "pte", "tokenizer", "model_dir", "stages"):
         assert key in again
+    assert again["pte_sha256"] == sha256_file(Path(again["pte"]))  # what `llm_runner --verify-pte` checks
     run_manifest = json.loads(Path(again["run_manifest"]).read_text())
     assert run_manifest["status"] == "ok" and run_manifest["tools"]["executorch"] == "1.5.1"
     for s in run_manifest["stages"]:
