@@ -96,9 +96,8 @@ def xnnpack_graphs(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
-def xnnpack_dims_ranges(data: bytes) -> list[tuple[int, int]]:
-    """(start, end) in the file of the `dims` of every XNNPACK tensor value (XNNGraph.xvalues)."""
-    out = []
+def xnnpack_values(data: bytes):
+    """Every XNNPACK tensor value: (graph start in the file, graph bytes, index, tensor Table)."""
     for start, end in xnnpack_graphs(data):
         g = data[start:end]
         graph = Table.root(g)
@@ -106,10 +105,19 @@ def xnnpack_dims_ranges(data: bytes) -> list[tuple[int, int]]:
         for j in range(xvalues[0] if xvalues else 0):
             xv = graph.element(xvalues, j)
             val = xv.table(1)
-            if val is None:
-                continue
-            tensor = val.table(0) if xv.scalar(0, "<B") == 2 else val  # quantized: its tensor_value first
-            dims = tensor.vector(2) if tensor else None
-            if dims:
-                out.append((start + dims[1], start + dims[1] + 4 * dims[0]))
+            tensor = (val.table(0) if xv.scalar(0, "<B") == 2 else val) if val else None  # quantized: tensor first
+            if tensor is not None:
+                yield start, g, j, tensor
+
+
+def activation_dims_ranges(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) in the file of the `dims` vectors (length word and entries) of the XNNPACK tensor values
+    that are not constants: the byte range of the documented loader crash (native/README.md, "Known loader
+    crashes": XNNPACK plans its workspace from these dims unchecked). Constants' dims are checked by the
+    runner against their data."""
+    out = []
+    for start, g, _, tensor in xnnpack_values(data):
+        dims = tensor.vector(2)
+        if dims and tensor.scalar(3, "<I") == 0:  # constant_buffer_idx 0: not a constant
+            out.append((start + dims[1] - 4, start + dims[1] + 4 * dims[0]))
     return sorted(out)

@@ -41,7 +41,8 @@ class View {
   size_t size_;
 };
 
-// A table: fields are found through its vtable; a field the vtable does not list is absent.
+// A table: fields are found through its vtable; a field the vtable does not list is absent, and so is
+// every field of an empty Table (a sub-table that was absent), so accessors chain safely.
 class Table {
  public:
   Table() = default;
@@ -56,6 +57,7 @@ class Table {
 
   // The byte position of field `id`, if present.
   std::optional<size_t> field(int id) const {
+    if (!v_) return std::nullopt;  // an empty Table: every field is absent
     auto soff = v_->read<int32_t>(pos_);
     if (!soff) return std::nullopt;
     const int64_t vt = static_cast<int64_t>(pos_) - *soff;
@@ -97,6 +99,7 @@ class Table {
 
   // Element k of a vector of tables.
   Table elem(const Vec& vec, size_t k) const {
+    if (!v_ || k >= vec.len) return Table();
     auto t = v_->follow(vec.start + 4 * k);
     return t ? Table(v_, *t).checked() : Table();
   }
@@ -107,6 +110,7 @@ class Table {
     return std::string_view(reinterpret_cast<const char*>(v_->bytes(v->start)), v->len);
   }
 
+  // The buffer of a non-empty Table (one a vec() or field() came from).
   const View& view() const { return *v_; }
 
  private:

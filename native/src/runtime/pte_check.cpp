@@ -98,7 +98,8 @@ namespace llmrt {
 
 namespace {
 
-namespace program_f { enum { execution_plan = 1, backend_delegate_data = 3, segments = 4 }; }
+namespace program_f { enum { execution_plan = 1, backend_delegate_data = 3, segments = 4, named_data = 7 }; }
+namespace named_data_f { enum { key = 0, segment_index = 1 }; }
 namespace plan_f { enum { name = 0, values = 2, chains = 5, operators = 6, delegates = 7, buffer_sizes = 8 }; }
 namespace evalue_f { enum { val_type = 0, val = 1 }; }
 enum KernelType : uint8_t { kTensor = 5 };
@@ -113,9 +114,16 @@ namespace delegate_f { enum { id = 0, processed = 1, compile_specs = 2 }; }
 namespace data_ref_f { enum { location = 0, index = 1 }; }
 namespace spec_f { enum { key = 0, value = 1 }; }
 namespace segment_f { enum { offset = 0, size = 1 }; }
-namespace xnn_graph_f { enum { xnodes = 1, xvalues = 2, num_externs = 3 }; }
+namespace xnn_graph_f { enum { xnodes = 1, xvalues = 2, num_externs = 3, constant_data = 8 }; }
+namespace xnn_tensor_f { enum { datatype = 0, dims = 2, constant_buffer_idx = 3 }; }
+namespace xnn_constant_f { enum { offset = 0, size = 1, named_key = 2 }; }
 namespace xnn_union_f { enum { type = 0, value = 1 }; }  // XValue.xvalue_union, XNode.xnode_union
 enum XnnValueKind : uint8_t { kXnnQuantizedTensor = 2 };
+namespace xnn_qtensor_f { enum { tensor = 0, params_type = 1, params = 2 }; }
+enum XnnQuantKind : uint8_t { kPerChannelGroupQuant = 4 };
+namespace xnn_group_quant_f { enum { group_size = 2 }; }
+enum XnnNodeKind : uint8_t { kXnnDepthwiseConv2d = 13 };
+namespace xnn_conv_f { enum { group_input_channels = 10 }; }
 
 // The whole file, mapped read-only.
 class MappedPte {
@@ -201,23 +209,65 @@ fb::Table xnnpack_graph(const fb::View& blob, fb::View* graph_buf) {
   return fb::Table::root(*graph_buf);
 }
 
-// What XNNCompiler (ExecuTorch 1.5) dereferences unchecked in a graph its flatbuffer verifier accepted: the
-// value of every value and node union (a union may carry its type without its value). "" = fine.
+// Bits per element of an XNNPACK datatype (XNNDatatype), 0 if unknown.
+int xnn_bits(int16_t datatype) {
+  switch (datatype) {
+    case 8: case 10: return 4;                                // qcint4, qbint4
+    case 3: case 4: case 6: case 9: case 11: return 8;        // the 8-bit integer kinds
+    case 2: case 14: return 16;                               // fp16, bf16
+    case 1: case 5: case 7: case 12: case 13: return 32;      // fp32, qint32, qcint32, int32, pfp32
+    default: return 0;
+  }
+}
+
+// Bytes the dims of an XNNPACK tensor describe (saturating), or nullopt without dims or a known datatype.
+std::optional<uint64_t> xnn_tensor_bytes(const fb::Table& tensor) {
+  const int bits = xnn_bits(tensor.scalar<int16_t>(xnn_tensor_f::datatype, 0));
+  auto dims = tensor.vec(xnn_tensor_f::dims, 4);
+  if (!bits || !dims) return std::nullopt;
+  unsigned __int128 n = 1;
+  for (size_t k = 0; k < dims->len; ++k) {
+    n *= *tensor.view().read<uint32_t>(dims->start + 4 * k);
+    if (n > (unsigned __int128)UINT64_MAX) return UINT64_MAX;
+  }
+  n = (n * static_cast<unsigned>(bits) + 7) / 8;
+  return n > (unsigned __int128)UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(n);
+}
+
+// The divisors XNNCompiler (ExecuTorch 1.5) uses unchecked: a quantization group size, a depthwise
+// convolution's input channels per group (a damaged union type can turn another node into one). "" = fine.
+std::string xnnpack_divisor_problem(const fb::Table& item, bool is_value) {
+  const auto type = item.scalar<uint8_t>(xnn_union_f::type, 0);
+  fb::Table value = item.table(xnn_union_f::value);
+  if (is_value && type == kXnnQuantizedTensor &&
+      value.scalar<uint8_t>(xnn_qtensor_f::params_type, 0) == kPerChannelGroupQuant &&
+      value.table(xnn_qtensor_f::params).scalar<int32_t>(xnn_group_quant_f::group_size, 0) == 0)
+    return "has a quantization group size of 0";
+  if (!is_value && type == kXnnDepthwiseConv2d && value.scalar<uint32_t>(xnn_conv_f::group_input_channels, 0) == 0)
+    return "(depthwise convolution) has 0 input channels per group";
+  return "";
+}
+
+// What XNNCompiler (ExecuTorch 1.5) follows unchecked in a graph its flatbuffer verifier accepted: the value
+// of every value and node union (a union may carry its type without its value) and the divisors above.
+// "" = fine.
 std::string xnnpack_graph_problem(const fb::Table& graph) {
-  auto unions = [&](int list_field, const char* what) -> std::string {
-    auto list = graph.vec(list_field, 4);
+  for (bool is_value : {true, false}) {
+    const char* what = is_value ? "value" : "node";
+    auto list = graph.vec(is_value ? xnn_graph_f::xvalues : xnn_graph_f::xnodes, 4);
     for (size_t k = 0; list && k < list->len; ++k) {
       fb::Table item = graph.elem(*list, k);
       fb::Table value = item ? item.table(xnn_union_f::value) : fb::Table();
-      if (!value) return std::string(what) + " " + std::to_string(k) + " has no value";
-      if (list_field == xnn_graph_f::xvalues &&
-          item.scalar<uint8_t>(xnn_union_f::type, 0) == kXnnQuantizedTensor && !value.table(0))
-        return std::string(what) + " " + std::to_string(k) + " (quantized) has no tensor";
+      const std::string at = std::string(what) + " " + std::to_string(k);
+      if (!value) return at + " has no value";
+      if (is_value && item.scalar<uint8_t>(xnn_union_f::type, 0) == kXnnQuantizedTensor &&
+          !value.table(xnn_qtensor_f::tensor))
+        return at + " (quantized) has no tensor";
+      const std::string divisor = xnnpack_divisor_problem(item, is_value);
+      if (!divisor.empty()) return at + " " + divisor;
     }
-    return "";
-  };
-  std::string p = unions(xnn_graph_f::xvalues, "value");
-  return p.empty() ? unions(xnn_graph_f::xnodes, "node") : p;
+  }
+  return "";
 }
 
 // A constant tensor: its data lives in the program (mapped read-only), not in planned memory.
@@ -317,9 +367,45 @@ class PlanChecker {
     fb::View graph_buf(nullptr, 0);
     fb::Table graph = blob ? xnnpack_graph(*blob, &graph_buf) : fb::Table();
     if (!graph) return;  // not found or not readable: XNNPACK's own checks refuse it
-    const std::string problem = xnnpack_graph_problem(graph);
+    std::string problem = xnnpack_graph_problem(graph);
+    if (problem.empty()) problem = xnnpack_constant_problem(graph);
     if (!problem.empty()) fail(what + " (XNNPACK): graph " + problem);
     xnn_args_[k] = graph.scalar<uint32_t>(xnn_graph_f::num_externs, 0);
+  }
+
+  // XNNPACK reads as many bytes of a constant as its dims say (packing weights): they must be there.
+  std::string xnnpack_constant_problem(const fb::Table& graph) const {
+    auto constants = graph.vec(xnn_graph_f::constant_data, 4);
+    auto values = graph.vec(xnn_graph_f::xvalues, 4);
+    for (size_t k = 0; constants && values && k < values->len; ++k) {
+      fb::Table item = graph.elem(*values, k), value = item.table(xnn_union_f::value);
+      fb::Table tensor = item.scalar<uint8_t>(xnn_union_f::type, 0) == kXnnQuantizedTensor
+                             ? value.table(xnn_qtensor_f::tensor) : value;
+      const auto idx = tensor.scalar<uint32_t>(xnn_tensor_f::constant_buffer_idx, 0);
+      if (idx == 0 || idx >= constants->len) continue;  // not a constant, or XNNCompiler refuses the index
+      auto have = constant_size(graph.elem(*constants, idx));
+      auto need = xnn_tensor_bytes(tensor);
+      if (have && need && *need > *have)
+        return "value " + std::to_string(k) + " has dims of " + std::to_string(*need) + " bytes for " +
+               std::to_string(*have) + " bytes of constant data";
+    }
+    return "";
+  }
+
+  // The bytes behind an XNNPACK constant: its own size, or the segment of its named data.
+  std::optional<uint64_t> constant_size(const fb::Table& constant) const {
+    auto key = constant.string(xnn_constant_f::named_key);
+    if (!key) return constant.scalar<uint64_t>(xnn_constant_f::size, 0);
+    auto named = program_.vec(program_f::named_data, 4);
+    auto segments = program_.vec(program_f::segments, 4);
+    for (size_t k = 0; named && segments && k < named->len; ++k) {
+      fb::Table entry = program_.elem(*named, k);
+      if (entry.string(named_data_f::key) != key) continue;
+      const auto seg = entry.scalar<uint32_t>(named_data_f::segment_index, 0);
+      if (seg >= segments->len) return std::nullopt;
+      return program_.elem(*segments, seg).scalar<uint64_t>(segment_f::size, 0);
+    }
+    return std::nullopt;  // the data map refuses an unknown key itself
   }
 
   void check_compile_specs(const fb::Table& d, const std::string& what) {

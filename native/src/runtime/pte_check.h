@@ -24,7 +24,8 @@ std::string verify_pte_digest(const std::string& path, const std::string& spec);
 //    key or value, a plan without a name (dereferenced unchecked);
 //  - a DelegateCall to an XNNPACK delegate with fewer arguments than its graph's external values
 //    (XNNExecutor::prepare_args indexes the arguments by external id unchecked), and an XNNPACK graph
-//    value or node whose union has no value (XNNCompiler dereferences it);
+//    value or node whose union has no value (XNNCompiler dereferences it), or a zero it divides by (a
+//    quantization group size, a depthwise convolution's input channels per group);
 //  - a JumpFalseCall destination outside its chain;
 //  - a kernel whose output argument (the last of an out variant, the first of an in-place op) is a
 //    constant: constants are mapped read-only, the write would fault;
