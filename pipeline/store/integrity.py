@@ -61,8 +61,12 @@ class Stamps:
             return {}
 
     def put(self, stage: str, key: str, stamps: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self._path(stage, key), stamps)
+        """Best effort: without a stamp the next hit only hashes again (a full disk must not fail a finished build)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self._path(stage, key), stamps)
+        except OSError:
+            pass
 
     def drop(self, stage: str, key: str) -> None:
         try:
