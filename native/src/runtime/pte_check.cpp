@@ -331,10 +331,13 @@ class PlanChecker {
     uint64_t total = 0;
     for (size_t k = 0; sizes && k < sizes->len; ++k) {
       const int64_t n = *plan.view().read<int64_t>(sizes->start + 8 * k);
-      if (n < 0 || static_cast<uint64_t>(n) > limit - total)
-        fail("plans " + std::to_string(n) + " bytes for buffer " + std::to_string(k) + " (" +
-             std::to_string(total) + " before it), more than this machine's " + std::to_string(limit) +
-             " bytes of memory");
+      if (n < 0) fail("plans " + std::to_string(n) + " bytes for buffer " + std::to_string(k));
+      // too much may also be a valid program too large for this machine: say both
+      if (static_cast<uint64_t>(n) > limit - total)
+        throw ProgramError("'" + path_ + "' cannot run here: " + where_ + " plans " + std::to_string(n) +
+                           " bytes for buffer " + std::to_string(k) + " (" + std::to_string(total) +
+                           " before it), more than this machine's " + std::to_string(limit) +
+                           " bytes of memory (a damaged file, or a program too large for this machine)");
       total += static_cast<uint64_t>(n);
     }
   }
