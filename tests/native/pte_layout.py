@@ -85,6 +85,33 @@ def delegate_blobs(data: bytes, backend: str = "XnnpackBackend") -> list[tuple[i
     return sorted(set(out))
 
 
+def call_args(data: bytes) -> list[tuple[int, int, str]]:
+    """(file offset of the length word, length, operator or "delegate") of the args vector of every
+    KernelCall and DelegateCall of every method."""
+    program = Table.root(data)
+    plans = program.vector(1)
+    out = []
+    for p in range(plans[0]):
+        plan = program.element(plans, p)
+        ops = plan.vector(6)
+        names = [plan.element(ops, k).string(0) for k in range(ops[0])] if ops else []
+        chains = plan.vector(5)
+        for c in range(chains[0] if chains else 0):
+            chain = plan.element(chains, c)
+            instructions = chain.vector(2)
+            for k in range(instructions[0] if instructions else 0):
+                instr = chain.element(instructions, k)
+                kind = instr.scalar(0, "<B")
+                if kind not in (1, 2):  # KernelCall, DelegateCall
+                    continue
+                call = instr.table(1)
+                args = call.vector(1)
+                if args:
+                    name = names[call.scalar(0, "<i")] if kind == 1 else "delegate"
+                    out.append((args[1] - 4, args[0], name))
+    return out
+
+
 def xnnpack_graphs(data: bytes) -> list[tuple[int, int]]:
     """(start, end) in the file of each XNNPACK graph flatbuffer (after its "XH00" header)."""
     out = []

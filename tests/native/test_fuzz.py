@@ -170,6 +170,10 @@ class Damager:
         n = min(self.rng.choice((4, 16, 64, 256, 4096)), len(self.data) - start)
         return self.data[:start] + bytes(n) + self.data[start + n:]
 
+    def shorten(self, call: tuple[int, int, str]) -> bytes:
+        pos, n, _ = call
+        return self.data[:pos] + self.rng.randrange(n).to_bytes(4, "little") + self.data[pos + 4:]
+
     def truncate(self) -> bytes:
         # half of the cuts inside the flatbuffer (where the loader reads first), half anywhere
         end = self.rng.randrange(0, self.fb_end) if self.rng.random() < 0.5 else self.rng.randrange(0, len(self.data))
@@ -188,6 +192,9 @@ class Damager:
         for _ in range(counts.get("xnnpack", 0)):  # inside the XNNPACK delegate graphs (their own flatbuffers)
             before = self.redrawn
             out.append(("overwrite XNNPACK graphs", self.overwrite(*self.rng.choice(graphs)), self.redrawn - before))
+        calls = [c for c in pte_layout.call_args(self.data) if c[1] > 0]
+        for _ in range(counts.get("short_args", 0)):  # a call handed fewer arguments than its kernel takes
+            out.append(("shorten a call's arguments", self.shorten(self.rng.choice(calls)), 0))
         for _ in range(counts["truncate"]):
             out.append(("truncate", self.truncate(), 0))
         for _ in range(counts["zero"]):
@@ -196,10 +203,10 @@ class Damager:
         return out
 
 
-PTE_COUNTS = {"header": 10, "flatbuffer": 80, "segments": 30, "anywhere": 20, "xnnpack": 40, "truncate": 25,
-              "zero": 30}
-OG_COUNTS = {"header": 5, "flatbuffer": 40, "segments": 10, "anywhere": 10, "xnnpack": 20, "truncate": 10,
-             "zero": 10}
+PTE_COUNTS = {"header": 10, "flatbuffer": 80, "segments": 30, "anywhere": 20, "xnnpack": 40, "short_args": 15,
+              "truncate": 25, "zero": 30}
+OG_COUNTS = {"header": 5, "flatbuffer": 40, "segments": 10, "anywhere": 10, "xnnpack": 20, "short_args": 15,
+             "truncate": 10, "zero": 10}
 
 
 def program_cases(tmp: Path, stem: str, data: bytes, rng: random.Random, counts: dict, label: str, argv) -> list[Case]:

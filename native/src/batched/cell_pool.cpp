@@ -26,7 +26,7 @@ CellPool::CellPool(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_w
     const LayerSpec& s = specs[i];
     if (s.kv_heads < 1 || s.head_dim < 1 || s.v_dim < 1 || s.window < 0)
       throw std::invalid_argument("cache " + std::to_string(i) + ": bad geometry");
-    const int64_t ring = s.window > 0 ? std::min(s.window + max_write_ - 1, capacity_) : 0;
+    const int64_t ring = s.window > 0 ? offgraph::ring_slots_for(s.window, max_write_, capacity_) : 0;
     auto it = group_of_ring.find(ring);
     if (it == group_of_ring.end()) {
       it = group_of_ring.emplace(ring, static_cast<int>(groups_.size())).first;
@@ -45,8 +45,8 @@ void CellPool::grow(int group) {
   for (int l : G.layers) {
     Layer& L = layers_[l];
     // resize keeps the existing cells where they are (indices never move)
-    L.k.resize(static_cast<size_t>(n * L.spec.kv_heads * L.spec.head_dim * esize_), 0);
-    L.v.resize(static_cast<size_t>(n * L.spec.kv_heads * L.spec.v_dim * esize_), 0);
+    L.k.resize(offgraph::storage_bytes(n, L.spec.kv_heads, L.spec.head_dim, esize_), 0);
+    L.v.resize(offgraph::storage_bytes(n, L.spec.kv_heads, L.spec.v_dim, esize_), 0);
   }
   G.refs.resize(static_cast<size_t>(n), 0);
   for (int64_t c = n - 1; c >= G.allocated; --c) G.free.push_back(static_cast<int32_t>(c));

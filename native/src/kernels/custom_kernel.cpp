@@ -8,9 +8,9 @@
 //   out [1,Hq,T,Dv] in q's dtype.
 #include <string>
 
-#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
+#include "kernels/checked_kernel.h"
 #include "kernels/kv_attention.h"
 
 namespace llmrt::kv {
@@ -57,4 +57,4 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
 }  // namespace
 }  // namespace llmrt::kv
 
-EXECUTORCH_LIBRARY(llmpipe, "cached_attention.out", llmrt::kv::cached_attention_out);
+LLMPIPE_KERNEL(llmpipe, "cached_attention.out", llmrt::kv::cached_attention_out);

@@ -7,6 +7,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/sysmem.h"
+
 namespace llmrt::offgraph {
 
 namespace {
@@ -16,6 +18,21 @@ std::string range(int64_t a, int64_t b) {
 }
 
 }  // namespace
+
+int64_t ring_slots_for(int64_t window, int64_t max_write, int64_t capacity) {
+  return window >= capacity ? capacity : std::min(window + max_write - 1, capacity);
+}
+
+size_t storage_bytes(int64_t positions, int64_t heads, int64_t dim, int esize) {
+  const unsigned __int128 n = (unsigned __int128)std::max<int64_t>(positions, 0) * std::max<int64_t>(heads, 0) *
+                              std::max<int64_t>(dim, 0) * std::max(esize, 0);
+  if (n > physical_memory_bytes())
+    throw std::length_error("the KV cache would need " +
+                            (n >> 64 ? std::string("more than 2^64") : std::to_string((uint64_t)n)) +
+                            " bytes for " + std::to_string(positions) + " positions of " + std::to_string(heads) +
+                            " x " + std::to_string(dim) + " elements, more than this machine's memory");
+  return static_cast<size_t>(n);
+}
 
 OffgraphKvCache::OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity,
                                  int64_t max_write, int64_t initial_capacity, int dtype_code)
@@ -42,13 +59,13 @@ OffgraphKvCache::OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity,
     Layer L;
     L.spec = s;
     if (s.window > 0) {
-      L.ring = std::min(s.window + max_write_ - 1, capacity_);
+      L.ring = ring_slots_for(s.window, max_write_, capacity_);
       L.allocated = L.ring;
     } else {
       L.allocated = initial_;
     }
-    L.k.assign(static_cast<size_t>(L.allocated * s.kv_heads * s.head_dim * esize_), 0);
-    L.v.assign(static_cast<size_t>(L.allocated * s.kv_heads * s.v_dim * esize_), 0);
+    L.k.assign(storage_bytes(L.allocated, s.kv_heads, s.head_dim, esize_), 0);
+    L.v.assign(storage_bytes(L.allocated, s.kv_heads, s.v_dim, esize_), 0);
     layers_.push_back(std::move(L));
   }
 }
@@ -92,8 +109,8 @@ void OffgraphKvCache::ensure(int layer, int64_t end) {
   while (n < end) n *= 2;
   n = std::min(n, capacity_);
   // resize keeps the existing cells where they are (slot index = position)
-  L.k.resize(static_cast<size_t>(n * L.spec.kv_heads * L.spec.head_dim * esize_), 0);
-  L.v.resize(static_cast<size_t>(n * L.spec.kv_heads * L.spec.v_dim * esize_), 0);
+  L.k.resize(storage_bytes(n, L.spec.kv_heads, L.spec.head_dim, esize_), 0);
+  L.v.resize(storage_bytes(n, L.spec.kv_heads, L.spec.v_dim, esize_), 0);
   L.allocated = n;
 }
 

@@ -155,6 +155,15 @@ inline int64_t ring_rewind_floor(int64_t length, int64_t ring, int64_t window) {
   return oldest > 0 ? oldest + window - 1 : 0;
 }
 
+// Slots of a ring layer: its window plus the chunk being written (window + max_write - 1), at most the
+// capacity. Saturating: a window near INT64_MAX (damaged, or a flag) must not overflow.
+int64_t ring_slots_for(int64_t window, int64_t max_write, int64_t capacity);
+
+// Bytes of `positions` positions of one layer's K or V storage (heads x dim elements of `esize` bytes).
+// Throws std::length_error (exit 1 in the runners) when that overflows or exceeds the machine's memory, so a
+// damaged geometry or a huge flag never reaches the allocator's size arithmetic.
+size_t storage_bytes(int64_t positions, int64_t heads, int64_t dim, int esize);
+
 // Parses "512,0" into a pattern (layer l gets pattern[l % size], 0 = flat).
 std::vector<int64_t> parse_windows(const std::string& text);  // throws std::invalid_argument
 // "fp32"/"float32"/"float", "fp16"/"half"/"float16", "bf16"/"bfloat16" -> code; -1 if unknown.

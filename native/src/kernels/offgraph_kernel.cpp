@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
-#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
+#include "kernels/checked_kernel.h"
 #include "kernels/offgraph_cache.h"
 
 namespace llmrt::offgraph {
@@ -123,7 +123,7 @@ Tensor& update_and_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const 
 }  // namespace
 }  // namespace llmrt::offgraph
 
-EXECUTORCH_LIBRARY(llmpipe, "update_and_attend.out", llmrt::offgraph::update_and_attend_out);
+LLMPIPE_KERNEL(llmpipe, "update_and_attend.out", llmrt::offgraph::update_and_attend_out);
 
 // Referenced by the runner so that a non-whole-archive link would fail loudly
 // rather than silently drop the registration.

@@ -218,23 +218,43 @@ LlmProgram::CacheGeometry LlmProgram::cache_geometry() {
   if (g.n_caches <= 0)
     throw ProgramError("constant method 'get_n_caches' returned " + std::to_string(g.n_caches) +
                        " (must be positive)");
-  auto list = [&](const char* m, bool positive) {
+  // The cache is sized from these: a damaged value must not reach its size arithmetic. Real models have
+  // at most a few hundred heads of a few hundred dims; windows are positions.
+  auto list = [&](const char* m, int64_t lo, int64_t hi) {
     std::vector<int64_t> v = read_int_list(m);
     if (static_cast<int64_t>(v.size()) != g.n_caches)
       throw ProgramError(std::string("constant method '") + m + "' has " + std::to_string(v.size()) +
                          " entries for " + std::to_string(g.n_caches) + " caches");
     for (int64_t x : v)
-      if (positive ? x <= 0 : x < 0)
+      if (x < lo || x > hi)
         throw ProgramError(std::string("constant method '") + m + "' returned " + std::to_string(x) +
-                           (positive ? " (must be positive)" : " (must be >= 0)"));
+                           " (must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "])");
     return v;
   };
-  g.kv_heads = list("get_kv_heads", true);
-  g.head_dims = list("get_head_dims", true);
+  constexpr int64_t kMaxDim = 1 << 16, kMaxWindow = INT32_MAX;
+  g.kv_heads = list("get_kv_heads", 1, kMaxDim);
+  g.head_dims = list("get_head_dims", 1, kMaxDim);
   auto names = module_->method_names();
-  g.v_dims = names.ok() && names->count("get_v_head_dims") ? list("get_v_head_dims", true) : g.head_dims;
-  g.windows = list("get_windows", false);
+  g.v_dims = names.ok() && names->count("get_v_head_dims") ? list("get_v_head_dims", 1, kMaxDim) : g.head_dims;
+  g.windows = list("get_windows", 0, kMaxWindow);
   return g;
+}
+
+// The runner sizes its token and logits buffers from get_max_seq_len and get_vocab_size: they must agree
+// with forward's own tensors (their upper bounds), so a damaged constant cannot ask for gigabytes.
+void LlmProgram::check_buffer_sizes(const executorch::runtime::MethodMeta& meta) const {
+  // the last dim of a tensor's (upper-bound) sizes, or -1
+  auto last_dim = [](const auto& info) -> int64_t {
+    return info.ok() && !info->sizes().empty() ? info->sizes()[info->sizes().size() - 1] : -1;
+  };
+  const int64_t chunk = last_dim(meta.input_tensor_meta(0));
+  if (chunk >= 0 && info_.max_seq_len > chunk)
+    throw ProgramError("get_max_seq_len (" + std::to_string(info_.max_seq_len) +
+                       ") is larger than forward's tokens input (" + std::to_string(chunk) + ")");
+  const int64_t width = meta.num_outputs() > 0 ? last_dim(meta.output_tensor_meta(0)) : -1;
+  if (width >= 0 && info_.vocab_size != width)
+    throw ProgramError("get_vocab_size (" + std::to_string(info_.vocab_size) + ") differs from forward's logits width (" +
+                       std::to_string(width) + ")");
 }
 
 LlmProgram::LlmProgram(const std::string& path) {
@@ -331,6 +351,7 @@ LlmProgram::LlmProgram(const std::string& path) {
     if (!tm.ok() || tm->scalar_type() != ScalarType::Long)
       throw ProgramError("'forward' input " + std::to_string(i) + " is not a Long tensor");
   }
+  check_buffer_sizes(*meta);
   info_.offgraph = names->count("get_n_caches") > 0;
   position_limit_ = info_.max_context_len;
   e = module_->load_method("forward");

@@ -12,6 +12,9 @@
 namespace executorch::extension::module {
 class Module;
 }
+namespace executorch::runtime {
+class MethodMeta;
+}
 
 namespace llmrt {
 
@@ -78,6 +81,7 @@ class LlmProgram {
 
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);
+  void check_buffer_sizes(const executorch::runtime::MethodMeta& meta) const;
   // Executes forward on the first n entries of tok_buf_ / pos_buf_; writes the logits of `rows` to dst.
   void execute(int64_t n, const std::vector<int64_t>& rows, std::vector<float>* dst);
   int64_t position_limit_ = 0;

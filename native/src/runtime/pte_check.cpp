@@ -19,6 +19,7 @@
 #include "runtime/flatbuffer_view.h"
 #include "runtime/llm_program.h"
 #include "runtime/sha256.h"
+#include "runtime/sysmem.h"
 
 namespace llmrt {
 
@@ -292,12 +293,6 @@ int written_arg(std::string_view name, std::string_view overload, size_t n_args)
   return -1;
 }
 
-// The machine's physical memory: a plan that asks for more cannot run here anyway.
-uint64_t physical_memory() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : UINT64_MAX;
-}
-
 class PlanChecker {
  public:
   PlanChecker(const std::string& path, const fb::Table& program, const fb::View& file, const PteLayout& layout)
@@ -327,7 +322,7 @@ class PlanChecker {
   // Module allocates every planned buffer up front: a damaged size would be a huge (or negative) request.
   void check_memory(const fb::Table& plan) {
     auto sizes = plan.vec(plan_f::buffer_sizes, 8);
-    const uint64_t limit = physical_memory();
+    const uint64_t limit = physical_memory_bytes();  // a plan that asks for more cannot run here anyway
     uint64_t total = 0;
     for (size_t k = 0; sizes && k < sizes->len; ++k) {
       const int64_t n = *plan.view().read<int64_t>(sizes->start + 8 * k);

@@ -3,10 +3,17 @@
 
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
 namespace llmrt {
+
+// Physical memory in bytes (UINT64_MAX if unknown): what no single program or cache can exceed.
+inline uint64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : UINT64_MAX;
+}
 
 // Resident set size in MiB.
 inline double rss_mib() {
