@@ -1,10 +1,10 @@
 """Content-addressed stage cache under outputs/cache/<stage>/<key>/.
 
 An entry is built in a temp dir next to its final place and published with one rename; it counts
-only if its manifest.json says status "ok" and its files still are what the manifest recorded (pipeline/store/
-integrity.py; a damaged entry is moved to cache/.quarantine/ with the reason, never deleted, and rebuilt). A per-key
-file lock makes concurrent builders of the same
-entry build it once; a crashed builder leaves only a temp dir, which the next builder removes.
+only if its manifest.json says status "ok" and its files still are what the manifest recorded
+(pipeline/store/integrity.py; a damaged entry is moved to cache/.quarantine/ with the reason, never
+deleted, and rebuilt). A per-key file lock makes concurrent builders of the same entry build it once;
+a crashed builder leaves only a temp dir, which the next builder removes.
 The key of an entry is computed by pipeline/store/key.py; pipeline/store/gc.py removes what no build reaches.
 """
 from __future__ import annotations

@@ -91,11 +91,11 @@ def verify(store: Store, stages: dict, say=print) -> tuple[int, int, int]:
     """Hash every file of every entry against its manifest (no stamps trusted) and check each entry was built from
     its inputs as they are now; damaged entries are quarantined. Returns (entries checked, quarantined, busy)."""
     checked = quarantined = busy = 0
-    for name in stages:  # in stage order, so a quarantined input makes its dependents stale in the same pass
+    for name in stages:
         d = store.cache / name
         for entry in sorted(d.iterdir()) if d.is_dir() else ():
-            m = read_manifest(entry)
-            if entry.name.startswith(".") or not m or m.get("status") != "ok" or m.get("key") != entry.name:
+            m = None if entry.name.startswith(".") else read_manifest(entry)
+            if not m or m.get("status") != "ok" or m.get("key") != entry.name:
                 continue  # not an entry (gc's business, not fsck's)
             checked += 1
             found = integrity.problems(entry, m)
