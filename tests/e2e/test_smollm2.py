@@ -3,9 +3,12 @@ XNNPACK), built as a user builds it, verified by the gate calibrated for its sch
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
+from pipeline import native
 from pipeline.runtimes import open_program
 from pipeline.stages.verify import gate_of
 from tests.helpers import compose_cfg, run_cli, run_manifest, stage_path
@@ -40,3 +43,16 @@ def test_rerun_is_all_cache_hits(smollm2_default):
     m = run_manifest(r)
     assert [s["cache"] for s in m["stages"]] == ["hit"] * 6
     assert m["pte"] == smollm2_default["pte"]
+
+
+def test_the_python_runner_answers_paris_with_the_cpp_runners_tokens(smollm2_default):
+    """`python -m pipeline.generate` on the default program: the chat template the model ships, greedy, streamed."""
+    m = smollm2_default
+    r = subprocess.run([sys.executable, "-m", "pipeline.generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
+                        "--prompt", "What is the capital of France?", "--max-new-tokens", "24"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Paris" in r.stdout
+    stats = json.loads(next(ln for ln in r.stderr.splitlines() if ln.startswith("STATS_JSON: ")).split(": ", 1)[1])
+    theirs = native.run(m["pte"], m["tokenizer"], prompt_ids=stats["prompt_ids"], max_new_tokens=24)
+    assert stats["generated_ids"] == theirs["generated_ids"] and len(set(stats["generated_ids"])) > 3

@@ -1,0 +1,301 @@
+"""python -m pipeline.generate: token-by-token generation from a built program, in Python (the reference's run_llm_hf).
+
+    python -m pipeline.generate --prompt "What is the capital of France?"      # the latest successful build
+    python -m pipeline.generate --run outputs/runs/<time> --interactive         # a chat; /reset, /quit
+    python -m pipeline.generate --pte <lower entry>/model.pte --model-dir <dir> --prompt "..." --temperature 0.7 --seed 1
+
+The program runs where verify runs it (pipeline/runtimes: the ExecuTorch runtime, its runtime-owned cache for
+off-graph programs, the MLX interpreter, the transformers route's prefill/decode pair). Text streams to stdout; the
+timings and a `STATS_JSON: {...}` line (the C++ runner's keys) go to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from pipeline import abi, paths
+
+LOWERED = "lower.json"
+
+
+def latest_run(root: Path = paths.OUTPUTS_ROOT) -> Path:
+    """The newest run manifest of a successful build whose program is still there (gc may have taken older ones)."""
+    for m in sorted((root / "runs").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            run = json.loads(m.read_text())
+        except (OSError, ValueError):
+            continue
+        if run.get("status") == "ok" and run.get("pte") and run.get("model_dir") and Path(run["pte"]).exists():
+            return m
+    raise SystemExit(f"error: no successful build under {root / 'runs'}: run `python -m pipeline` first, "
+                     "or give --run / --pte")
+
+
+def resolve(args) -> tuple[Path, Optional[Path], Optional[Path]]:
+    """(the program's file, model dir, tokenizer.json) from --run, --pte or the latest build."""
+    if args.pte:
+        return Path(args.pte), args.model_dir and Path(args.model_dir), args.tokenizer and Path(args.tokenizer)
+    path = Path(args.run) if args.run else latest_run()
+    run = json.loads((path / "manifest.json" if path.is_dir() else path).read_text())
+    if run.get("status") != "ok" or not run.get("pte"):
+        raise SystemExit(f"error: --run {path}: not a successful build (status {run.get('status')!r})")
+    return Path(run["pte"]), Path(run["model_dir"]), None
+
+
+def open_for_generation(pte: Path, policy):
+    """A lower entry's program in its recorded runtime; a bare .pte in the ExecuTorch runtime."""
+    from pipeline.runtimes import RUNTIMES, open_program
+    from pipeline.runtimes.base import RunnerProgram
+    folder = pte if pte.is_dir() else pte.parent
+    if (folder / LOWERED).exists():
+        return open_program(folder, policy=policy)
+    return RunnerProgram(RUNTIMES["executorch"], pte, policy, kernels=("llmpipe",))
+
+
+class Sampler:
+    """Greedy at temperature 0; otherwise temperature, then top-k, then top-p (nucleus), from a seeded generator."""
+
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None):
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        if self.temperature <= 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float() / self.temperature, -1)
+        if self.top_k > 0:
+            kth = torch.topk(probs, min(self.top_k, probs.numel())).values[-1]
+            probs = torch.where(probs < kth, 0.0, probs)
+        if self.top_p < 1.0:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # the smallest set whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+
+class Session:
+    """A program and the tokens its cache holds; each turn feeds only what the cache does not hold yet."""
+
+    def __init__(self, program):
+        self.program = program
+        const = program.constant
+        self.chunk = getattr(program, "chunk", None) or abi.ints(const(abi.MAX_SEQ_LEN))[0]
+        self.context = abi.ints(const(abi.MAX_CONTEXT_LEN))[0]
+        self.eos = set(abi.ints(const(abi.EOS_IDS)))
+        self.held: list[int] = []
+
+    def _feed(self, ids: list[int]) -> torch.Tensor:
+        logits = None
+        for s in range(0, len(ids), self.chunk):
+            piece = ids[s:s + self.chunk]
+            start = len(self.held)
+            logits = self.program(torch.tensor([piece]), torch.arange(start, start + len(piece)))
+            self.held += piece
+        return logits[0, -1].float()
+
+    def generate(self, ids: list[int], max_new: int, sample: Callable[[torch.Tensor], int],
+                 on_token: Callable[[int], None] = lambda t: None) -> dict:
+        """Prefill `ids` (reusing the cache's common prefix), then decode until a stop token, `max_new` tokens or
+        the context's end. Returns the C++ runner's report keys."""
+        if self.held != ids[:len(self.held)] or len(self.held) == len(ids):
+            self.reset()
+        if len(ids) >= self.context:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the program's context holds {self.context}")
+        fed = len(ids) - len(self.held)
+        t0 = time.perf_counter()
+        token = sample(self._feed(ids[len(self.held):]))
+        t1 = time.perf_counter()
+        out, stop = [token], "max_new_tokens"
+        on_token(token)
+        while True:
+            if token in self.eos:
+                stop = "eos"
+                break
+            if len(out) >= max_new or len(self.held) >= self.context:
+                stop = stop if len(out) >= max_new else "context"
+                break
+            token = sample(self._feed([token]))
+            out.append(token)
+            on_token(token)
+        t2 = time.perf_counter()
+        decoded = len(out) - 1
+        return {"prompt_ids": ids, "generated_ids": out, "stop_reason": stop, "prompt_tokens_fed": fed,
+                "ttft_ms": round((t1 - t0) * 1e3, 2), "prefill_tok_s": round(fed / max(t1 - t0, 1e-9), 1),
+                "decode_tok_s": round(decoded / (t2 - t1), 1) if decoded else None}
+
+    def reset(self) -> None:
+        self.program.reset()
+        self.held = []
+
+
+class Text:
+    """The tokenizer side: prompt ids (the model's chat template unless raw) and streamed text."""
+
+    def __init__(self, model_dir: Optional[Path], tokenizer: Optional[Path], chat: str):
+        if model_dir is not None:
+            from transformers import AutoTokenizer
+            self.hf = AutoTokenizer.from_pretrained(model_dir)
+            self.decode = lambda ids: self.hf.decode(ids, skip_special_tokens=True)
+            self.encode = lambda text: self.hf(text, add_special_tokens=True)["input_ids"]
+            self.encode_plain = lambda text: self.hf(text, add_special_tokens=False)["input_ids"]
+            self.template = chat != "raw" and bool(self.hf.chat_template)
+        elif tokenizer is not None:
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(tokenizer))
+            self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+            self.encode = lambda text: tok.encode(text).ids
+            self.encode_plain = lambda text: tok.encode(text, add_special_tokens=False).ids
+            self.template = False  # a bare tokenizer.json carries no chat template
+        else:
+            raise SystemExit("error: --pte needs --model-dir (tokenizer and chat template) or --tokenizer")
+        if chat == "template" and not self.template:
+            raise SystemExit("error: --chat template: this tokenizer has no chat template (use --chat raw)")
+
+    def prompt_ids(self, messages: list[dict], history: list[int] = ()) -> list[int]:
+        """The ids of a turn: the whole rendering for the first; later turns append only what the template adds
+        after the conversation so far to the tokens already in it (re-tokenizing a reply need not give back the
+        tokens the model generated, and the cache holds those)."""
+        if not history:
+            if self.template:
+                return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+            return self.encode(messages[-1]["content"])
+        if not self.template:
+            return list(history) + self.encode_plain("\n" + messages[-1]["content"])
+        full = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        before = self.hf.apply_chat_template(messages[:-1], tokenize=False)
+        if not full.startswith(before):  # a template that rewrites earlier turns: render it all again
+            return self.prompt_ids(messages)
+        return list(history) + self.encode_plain(full[len(before):])
+
+
+class Stream:
+    """Prints the text of generated tokens as it grows (holding back an incomplete UTF-8 character)."""
+
+    def __init__(self, text: Text, eos: set, out=sys.stdout):
+        self.text, self.eos, self.out, self.ids, self.shown = text, eos, out, [], ""
+
+    def __call__(self, token: int) -> None:
+        if token in self.eos:
+            return
+        self.ids.append(token)
+        now = self.text.decode(self.ids)
+        if not now.endswith("\ufffd") and now.startswith(self.shown):
+            self.out.write(now[len(self.shown):])
+            self.out.flush()
+            self.shown = now
+
+
+def report(stats: dict, err=sys.stderr) -> None:
+    decode = f"{stats['decode_tok_s']} tok/s" if stats["decode_tok_s"] else "-"
+    print(f"\n[stats] prompt {len(stats['prompt_ids'])} tokens ({stats['prompt_tokens_fed']} fed), generated "
+          f"{len(stats['generated_ids'])} ({stats['stop_reason']}); TTFT {stats['ttft_ms']} ms, prefill "
+          f"{stats['prefill_tok_s']} tok/s, decode {decode}", file=err)
+    print("STATS_JSON: " + json.dumps(stats), file=err, flush=True)
+
+
+def turn(session: Session, text: Text, messages: list[dict], args, sample, history: list[int] = ()) -> dict:
+    stream = Stream(text, session.eos)
+    stats = session.generate(text.prompt_ids(messages, history), args.max_new_tokens, sample, stream)
+    stats["text"] = stream.shown
+    report(stats)
+    return stats
+
+
+def interactive(session: Session, text: Text, args, sample) -> None:
+    messages: list[dict] = []
+    history: list[int] = []  # every token of the conversation so far, the replies as generated
+    print("interactive: a line per turn; /reset forgets the conversation, /quit ends", file=sys.stderr)
+    for line in sys.stdin:
+        line = line.rstrip("\n")
+        if line.strip() == "/quit":
+            break
+        if line.strip() == "/reset":
+            messages, history = [], []
+            session.reset()
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            stats = turn(session, text, messages, args, sample, history)
+        except ValueError as e:  # the conversation outgrew the context: say so, keep the session
+            print(f"error: {e}; /reset to start again", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": stats["text"]})
+        history = stats["prompt_ids"] + stats["generated_ids"]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--run", help="a run manifest (or its directory); default: the latest successful build")
+    src.add_argument("--pte", help="a .pte (a lower entry's, or any: then --model-dir or --tokenizer)")
+    ap.add_argument("--model-dir", help="the model folder: tokenizer and chat template (with --pte)")
+    ap.add_argument("--tokenizer", help="a tokenizer.json (with --pte; no chat template: raw prompts)")
+    ap.add_argument("--prompt", help="one prompt (or --interactive)")
+    ap.add_argument("--interactive", action="store_true", help="a conversation on stdin")
+    ap.add_argument("--chat", choices=("auto", "template", "raw"), default="auto",
+                    help="auto: the model's chat template when it has one; raw: the prompt as text")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--kv-max-capacity", type=int, help="runtime-owned cache: positions (default: the context)")
+    ap.add_argument("--kv-initial-capacity", type=int, help="runtime-owned cache: flat pools start here")
+    ap.add_argument("--kv-windows", help="runtime-owned cache: a window pattern, e.g. 512,512,0 (0 = flat)")
+    ap.add_argument("--kv-storage-dtype", choices=sorted(abi.DTYPES), help="runtime-owned cache storage")
+    return ap
+
+
+def cache_policy(args):
+    from pipeline.runtimes.base import CachePolicy
+    policy = CachePolicy(capacity=args.kv_max_capacity,
+                         windows=[int(w) for w in args.kv_windows.split(",")] if args.kv_windows else None,
+                         kv_dtype=abi.DTYPES[args.kv_storage_dtype] if args.kv_storage_dtype else None)
+    if args.kv_initial_capacity is not None:
+        policy.initial_capacity = args.kv_initial_capacity
+    return policy
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if (args.prompt is None) == (not args.interactive):
+        print("error: give --prompt or --interactive (one of them)", file=sys.stderr)
+        return 2
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        print("error: --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1", file=sys.stderr)
+        return 2
+    pte, model_dir, tokenizer = resolve(args)
+    if not pte.exists():
+        print(f"error: {pte}: no such program", file=sys.stderr)
+        return 1
+    text = Text(model_dir, tokenizer, args.chat)
+    try:
+        session = Session(open_for_generation(pte, cache_policy(args)))
+    except (RuntimeError, ValueError) as e:
+        print(f"error: cannot run {pte}: {e}", file=sys.stderr)
+        return 1
+    print(f"[program] {pte} (context {session.context}, chunk {session.chunk})", file=sys.stderr)
+    sample = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.interactive:
+        interactive(session, text, args, sample)
+        return 0
+    try:
+        turn(session, text, [{"role": "user", "content": args.prompt}], args, sample)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
