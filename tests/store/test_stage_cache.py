@@ -63,6 +63,9 @@ def test_entry_without_ok_manifest_does_not_exist(tmp_path):
     (entry / "manifest.json").write_text(json.dumps({"status": "error", "key": "abc"}))
     assert store.lookup("export", "abc") is None
     (entry / "manifest.json").write_text(json.dumps({"status": "ok", "key": "abc"}))
+    assert store.lookup("export", "abc") is None  # ok, but it records none of the files it holds
+    outputs = {"program.pt2": {"sha256": sha256_file(entry / "program.pt2"), "bytes": 12}}
+    (entry / "manifest.json").write_text(json.dumps({"status": "ok", "key": "abc", "outputs": outputs}))
     assert store.lookup("export", "abc") == entry
 
 
