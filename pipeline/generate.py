@@ -21,8 +21,6 @@ import torch
 
 from pipeline import abi, paths
 
-LOWERED = "lower.json"
-
 
 def latest_run(root: Path = paths.OUTPUTS_ROOT) -> Path:
     """The newest run manifest of a successful build whose program is still there (gc may have taken older ones)."""
@@ -50,7 +48,7 @@ def resolve(args) -> tuple[Path, Optional[Path], Optional[Path]]:
 
 def open_for_generation(pte: Path, policy):
     """A lower entry's program in its recorded runtime; a bare .pte in the ExecuTorch runtime."""
-    from pipeline.runtimes import RUNTIMES, open_program
+    from pipeline.runtimes import LOWERED, RUNTIMES, open_program
     from pipeline.runtimes.base import RunnerProgram
     folder = pte if pte.is_dir() else pte.parent
     if (folder / LOWERED).exists():
@@ -91,13 +89,10 @@ class Session:
         self.held: list[int] = []
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
-        logits = None
-        for s in range(0, len(ids), self.chunk):
-            piece = ids[s:s + self.chunk]
-            start = len(self.held)
-            logits = self.program(torch.tensor([piece]), torch.arange(start, start + len(piece)))
-            self.held += piece
-        return logits[0, -1].float()
+        from pipeline.runtimes.base import run_sequence
+        logits = run_sequence(self.program, ids, self.chunk, start=len(self.held))
+        self.held += ids
+        return logits
 
     def generate(self, ids: list[int], max_new: int, sample: Callable[[torch.Tensor], int],
                  on_token: Callable[[int], None] = lambda t: None) -> dict:

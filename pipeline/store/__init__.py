@@ -50,11 +50,13 @@ class Store:
             return None
         return None if self.damage(stage, key, m, inputs) else entry
 
-    def damage(self, stage: str, key: str, m: dict, inputs: Optional[dict] = None) -> list[str]:
-        """Why a published entry can no longer be served ([] if it can); refreshes the stamps of intact files."""
+    def damage(self, stage: str, key: str, m: dict, inputs: Optional[dict] = None,
+               trust_stamps: bool = True) -> list[str]:
+        """Why a published entry can no longer be served ([] if it can); refreshes the stamps of intact files.
+        `trust_stamps=False` hashes every file (gc --verify)."""
         entry = self.entry(stage, key)
         stamps = self.stamps.get(stage, key)
-        found = integrity.problems(entry, m, stamps)
+        found = integrity.problems(entry, m, stamps if trust_stamps else None)
         for up, path in (inputs or {}).items():
             recorded = (m.get("inputs") or {}).get(up, {}).get("outputs")
             if recorded is not None and recorded != outputs_digest(path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.store import Store, integrity, outputs_digest
+from pipeline.store import Store
 from pipeline.store.files import read_manifest
 from pipeline.store.key import source_rev, tool_versions
 
@@ -98,13 +98,10 @@ def verify(store: Store, stages: dict, say=print) -> tuple[int, int, int]:
             if not m or m.get("status") != "ok" or m.get("key") != entry.name:
                 continue  # not an entry (gc's business, not fsck's)
             checked += 1
-            found = integrity.problems(entry, m)
-            found += [f"built from {up}/{i['key'][:12]}, whose files have changed since"
-                      for up, i in (m.get("inputs") or {}).items()
-                      if i.get("outputs") is not None and store.entry(up, i["key"]).is_dir()
-                      and i["outputs"] != outputs_digest(store.entry(up, i["key"]))]  # a gone input: judged on use
+            inputs = {up: store.entry(up, i["key"]) for up, i in (m.get("inputs") or {}).items()}
+            inputs = {up: path for up, path in inputs.items() if path.is_dir()}  # a gone input: judged on use
+            found = store.damage(name, entry.name, m, inputs, trust_stamps=False)
             if not found:
-                store.stamps.put(name, entry.name, integrity.stamps_of(entry, m))
                 continue
             lock = store.try_lock(name, entry.name)
             if lock is None:
