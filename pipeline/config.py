@@ -184,8 +184,10 @@ class Gate:
 
 
 class GateChoice(str, Enum):
-    auto = "auto"        # `dynamic` when any scheme quantizes activations at run time, else `exact`
-    exact = "exact"      # float and weight-only builds: the program computes what eager computes
+    auto = "auto"        # `dynamic` when any scheme quantizes activations at run time, else `half` for fp16/bf16
+                         # builds, else `exact`
+    exact = "exact"      # fp32 float and weight-only builds: the program computes what eager computes
+    half = "half"        # fp16 / bf16: the program and eager round each op to the half type in their own order
     dynamic = "dynamic"  # 8da4w / 8da8w: the backend rounds activations its own way
 
 
@@ -224,6 +226,7 @@ class VerifyConfig:
     runtime: RuntimeCacheConfig = field(default_factory=RuntimeCacheConfig)
     gate: GateChoice = GateChoice.auto        # which of the gates below applies (thresholds: conf/verify/*.yaml)
     exact: Gate = field(default_factory=Gate)
+    half: Gate = field(default_factory=Gate)
     dynamic: Gate = field(default_factory=Gate)
 
 

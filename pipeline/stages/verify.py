@@ -31,6 +31,7 @@ from pipeline.runtimes.base import run_sequence
 NAME, VERSION = "verify", 1
 AFTER = ("download", "wrap", "quantize", "lower")
 CONFIG_KEYS = ("verify",)
+HALF = ("fp16", "bf16")  # export.dtype values the `half` gate applies to
 SOURCES = ("native/src", "native/CMakeLists.txt",  # the C++ runners it checks against
            "bench/corpus/python-reference.txt")     # the long prompt and the fidelity chunks
 
@@ -173,7 +174,9 @@ def gate_of(cfg) -> str:
     """The gate that applies: verify.gate, or with `auto` the one that fits the quantization scheme."""
     choice = v(cfg.verify.gate)
     if choice == "auto":
-        return "dynamic" if dynamic_activations(cfg.quantize) else "exact"
+        if dynamic_activations(cfg.quantize):
+            return "dynamic"
+        return "half" if v(cfg.export.dtype) in HALF else "exact"
     return choice
 
 

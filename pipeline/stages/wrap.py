@@ -21,8 +21,11 @@ from pipeline.store.files import write_via_memory
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
-# the wrapper must reproduce HF's own forward this closely (fp32; half types get a looser bound)
-SELF_CHECK_TOL = {"fp32": 1e-3, "fp16": 5e-2, "bf16": 2e-1}
+# the wrapper must reproduce HF's own forward this closely, relative to the logits' scale (the largest |logit|, at
+# least 10): a half-precision forward rounds every op to its own epsilon (bf16 2^-8), and the two forwards round
+# in different orders (measured: wrap.json "self_check"; README: Half precision)
+SELF_CHECK_TOL = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 2e-2}
+SCALE_FLOOR = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +41,11 @@ def run(ctx) -> dict:
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk)
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
-    tol = SELF_CHECK_TOL[dtype]
+    tol = SELF_CHECK_TOL[dtype] * max(check["logit_scale"], SCALE_FLOOR)
     if check["max_abs_err"] > tol:
         raise RuntimeError(f"wrapped module disagrees with HF forward: max abs logit error "
-                           f"{check['max_abs_err']:.3g} > {tol} over {check['tokens']} tokens")
+                           f"{check['max_abs_err']:.3g} > {tol:.3g} ({SELF_CHECK_TOL[dtype]} x the logits' scale "
+                           f"{check['logit_scale']:.3g}, {dtype}) over {check['tokens']} tokens")
     module.reset()
     write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))
     spec = {
@@ -69,4 +73,4 @@ def self_check(module, model, context: int, chunk: int, window, vocab: int) -> d
     for i in range(prefill, n):
         step = run_sequence(module, [ids[i]], 1, start=i)
         errs.append((step - full[i]).abs().max().item())
-    return {"tokens": n, "max_abs_err": max(errs)}
+    return {"tokens": n, "max_abs_err": max(errs), "logit_scale": full.abs().max().item()}

@@ -103,7 +103,7 @@ class WeightOnlyLinearConfig(LinearConfig):
 
 def partitioner() -> XnnpackPartitioner:
     swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig}
-    return XnnpackPartitioner(configs=[swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS])
+    return XnnpackPartitioner(configs=[swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS], enable_bf16=True)
 
 
 def split_weight_only_linear_bias(gm: torch.fx.GraphModule) -> PassResult:
