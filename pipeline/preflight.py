@@ -97,9 +97,9 @@ def quantize_problems(cfg) -> Problems:
     for key, group_key, scheme, group in quantized_parts(q):
         if scheme == "none":
             continue
-        why = BACKENDS[backend].refuses(scheme, group)
+        why = BACKENDS[backend].refuses(scheme, group, v(cfg.export.dtype), gemm=key != "quantize.embedding")
         if why:
-            out.append((key, scheme, f"backend={backend} refuses it: {why}"))
+            out.append((key, scheme, f"backend={backend} refuses it at export.dtype={v(cfg.export.dtype)}: {why}"))
         if scheme == "nvfp4" and group != 16:
             out.append((group_key, group, "nvfp4 uses group size 16"))
         if scheme == "nvfp4" and v(q.algorithm) != "minmax":

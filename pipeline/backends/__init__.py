@@ -3,8 +3,11 @@
 Each declares:
     RUNTIME: str             -- the runtime that runs its programs here (pipeline/runtimes/<RUNTIME>)
     NATIVE_RUNNER: bool      -- the C++ runners (native/) run its programs
+    HANDOVER_DTYPES: tuple   -- export.dtype values the transformers exporter's route builds well (and _WHY, why not others)
+    DELEGATES_MATMULS: bool  -- lower refuses a half-precision program whose matmuls fall outside its delegate
     ASYMMETRIC_WEIGHTS: bool -- its quantized weights keep a zero point (quantize.source_grid carries Q4_1 there)
-    refuses(scheme, group)   -- why this backend cannot build a quantization scheme, or None (preflight asks)
+    refuses(scheme, group, dtype, gemm) -- why this backend cannot build a quantization scheme at that
+                                export.dtype (gemm: a linear's weight), or None (preflight asks)
     setup()                  -- register the ops its programs and its lowering need
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 RUNTIME = "executorch"
 ASYMMETRIC_WEIGHTS = False  # kept simple: the schemes it runs are symmetric
+HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's route takes
+HANDOVER_DTYPES_WHY = ""
+DELEGATES_MATMULS = False  # lower refuses a half-precision program with matmuls outside the delegate
 NATIVE_RUNNER = True
 
 
-def refuses(scheme: str, group: int) -> str | None:
-    """Why this backend cannot build a quantization scheme (None: it can)."""
+def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
+    """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
+    weight (an embedding's is only gathered)."""
     if scheme == "nvfp4":
         return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
     return None

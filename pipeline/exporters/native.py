@@ -21,6 +21,11 @@ from pipeline.store.files import write_via_memory
 
 EXPORT_PEAK_OVER_WEIGHTS = 6.0  # see pipeline/preflight.py: memory estimates
 PROGRAM = "model.pte"
+MATMUL_OPS = ("aten_linear_default", "aten_mm_default", "aten_addmm_default")
+
+
+class LoweringRefused(RuntimeError):
+    """The lowered program would run, but not as the backend is meant to run it."""
 
 
 def problems(cfg) -> list:
@@ -102,7 +107,19 @@ def lower_program(ep, cfg, methods: dict):
         ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
         compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
     report = delegation_report(edge)
+    if backend.DELEGATES_MATMULS:
+        refuse_undelegated_matmuls(report, v(cfg.export.dtype), v(cfg.backend.name))
     return edge.to_executorch(backend.executorch_config(cfg)), report
+
+
+def refuse_undelegated_matmuls(report: dict, dtype: str, backend: str) -> None:
+    """A half-precision matmul outside the delegate runs on a portable kernel (a scalar loop, ~100x slower): the
+    partitioner did not take the dtype, and the program is refused rather than shipped slow (fp32 linears that
+    stay outside on purpose, e.g. group-wise weight-only ones, are the quantize stage's warning)."""
+    outside = {op: b["non_delegated"] for op, b in report["by_op"].items() if op in MATMUL_OPS and b["non_delegated"]}
+    if outside and dtype != "fp32":
+        raise LoweringRefused(f"export.dtype={dtype}: {sum(outside.values())} matmuls fell outside the {backend} "
+                              f"delegate ({outside}) and would run on portable kernels")
 
 
 def lower(ctx) -> dict:

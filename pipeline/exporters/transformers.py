@@ -256,8 +256,10 @@ def problems(cfg) -> list[tuple[str, object, str]]:
     if e.strict:
         out.append(("export.strict", e.strict, f"{route} allowed: [false] (the exporter traces non-strict with its "
                                               "own patches; strict dynamo tracing fails on them)"))
-    if v(e.dtype) != "fp32":
-        out.append(("export.dtype", v(e.dtype), f"{route} allowed: ['fp32'] (the only dtype built and verified here)"))
+    dtypes = BACKENDS[backend].HANDOVER_DTYPES if backend in CACHE else ()
+    if backend in CACHE and v(e.dtype) not in dtypes:
+        out.append(("export.dtype", v(e.dtype), f"{route} on {backend} allowed: {list(dtypes)} "
+                                                f"({BACKENDS[backend].HANDOVER_DTYPES_WHY})"))
     if e.fault is not None:
         out.append(("export.fault", v(e.fault), f"{route} allowed: [null] (faults are injected on the native route)"))
     if e.prefill_chunk < 2:

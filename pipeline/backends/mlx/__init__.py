@@ -11,11 +11,15 @@ from pipeline.config import v
 
 RUNTIME = "mlx"           # no MLX runtime on Linux: our interpreter of the delegate payload
 ASYMMETRIC_WEIGHTS = True   # affine quantized matmul: scale + bias per group
+HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's route takes
+HANDOVER_DTYPES_WHY = ""
+DELEGATES_MATMULS = True  # lower refuses a half-precision program with matmuls outside the delegate
 NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
 
 
-def refuses(scheme: str, group: int) -> str | None:
-    """Why this backend cannot build a quantization scheme (None: it can)."""
+def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
+    """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
+    weight (an embedding's is only gathered)."""
     from pipeline.model.quantization import SCHEMES
     if SCHEMES[scheme].dynamic:
         return ("allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX partitioner does not take torchao's dynamic "

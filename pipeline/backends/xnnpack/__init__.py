@@ -10,17 +10,28 @@ RUNTIME = "executorch"
 ASYMMETRIC_WEIGHTS = False  # its int weights are symmetric (a zero point would be dropped)
 NATIVE_RUNNER = True
 WEIGHT_ONLY_BITS = {"4w": 4, "8w": 8}
+# the transformers exporter's route builds a stock XnnpackPartitioner(), which leaves bf16 matmuls outside the
+# delegate on portable kernels (our own partitioner enables bf16: weight_only.partitioner)
+HANDOVER_DTYPES = ("fp32", "fp16")
+HANDOVER_DTYPES_WHY = ("its stock XNNPACK partitioner leaves bf16 matmuls outside the delegate; export.exporter=native "
+                       "delegates them")
+# a half-precision program with matmuls outside the delegate runs them on portable kernels (~100x slower): refused
+DELEGATES_MATMULS = True
 
 log = logging.getLogger(__name__)
 
 
-def refuses(scheme: str, group: int) -> str | None:
-    """Why this backend cannot build a quantization scheme (None: it can)."""
+def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
+    """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
+    weight (an embedding's is only gathered)."""
     if scheme == "nvfp4":
         return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
     if scheme == "8da4w" and group % 32:
         return ("XNNPACK's blockwise 4-bit weights take groups of a multiple of 32 (its serializer asserts it): "
                 "group size 0, 32, 64, ...")
+    if gemm and dtype == "bf16" and scheme in ("8w", "8da8w"):
+        return ("its int8-weight GEMMs (f32-qc8w, qd8-f32-qc8w) have no bf16 form: the program fails to load with "
+                "xnn_status_invalid_parameter. With export.dtype=bf16 use 4-bit schemes (8da4w) or none; or fp16")
     if scheme == "8da8w" and group > 0:
         return ("XNNPACK runs int8 weights under dynamic activations per output channel only (qd8-f32-qc8w; "
                 "lowering stops at 'Only 4b group quantization is supported'): group size 0")
