@@ -68,8 +68,10 @@ def handover(model, q) -> dict:
 
 
 def reference(module):
-    """The eager module that computes what this backend's program computes: torchao's own forms do."""
-    return module
+    """The eager module that computes what this backend's program computes: torchao's own forms at fp32; at half
+    precision MLX's affine weights, accumulated in fp32 (numerics.py)."""
+    from pipeline.backends.mlx import numerics
+    return numerics.reference(module, next(module.parameters()).dtype)
 
 
 def cross_check_runtime(mode) -> str | None:
