@@ -19,7 +19,7 @@ from pipeline.config import PipelineConfig, v
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.exporters import EXPORTERS
 from pipeline.model import sources
-from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
@@ -122,24 +122,29 @@ def quantize_problems(cfg) -> Problems:
 
 
 def cache_problems(cfg) -> Problems:
-    """cache.custom_sdpa / cache.custom_kv_cache take the values the mode declares (its FLAGS)."""
-    c, mode = cfg.cache, v(cfg.cache.mode)
-    want = CACHE_MODES[mode].FLAGS
-    got = {flag: bool(c[flag]) for flag in want}
-    if got == want:
-        return []
-    return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
-             f"cache.mode={mode} takes custom_sdpa={want['custom_sdpa']}, custom_kv_cache={want['custom_kv_cache']} "
-             f"({CACHE_MODES[mode].FLAGS_WHY})")]
+    """cache.custom_sdpa / cache.custom_kv_cache take a combination the mode declares (its FLAGS), and the backend
+    builds that combination."""
+    mode = v(cfg.cache.mode)
+    allowed = CACHE_MODES[mode].FLAGS
+    got = flags(cfg.cache)
+    if got not in allowed:
+        return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
+                 f"cache.mode={mode} takes [custom_sdpa, custom_kv_cache] in "
+                 f"{[[f['custom_sdpa'], f['custom_kv_cache']] for f in allowed]} ({CACHE_MODES[mode].FLAGS_WHY})")]
+    why = BACKENDS[cfg.backend.name].refuses_cache(mode, got)
+    if why:
+        return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
+                 f"backend={v(cfg.backend.name)} refuses it with cache.mode={mode}: {why}")]
+    return []
 
 
 def export_problems(cfg) -> Problems:
     e = cfg.export
     out = []
     mode = CACHE_MODES[cfg.cache.mode]
-    if v(e.fault) == "ring_one_short" and not (mode.RINGS and not mode.RUNTIME_OWNED):
-        out.append(("export.fault", "ring_one_short", f"needs rings in the program: cache.mode=custom "
-                    f"(is {v(cfg.cache.mode)!r})"))
+    if v(e.fault) == "ring_one_short" and not (mode.rings(flags(cfg.cache)) and not mode.RUNTIME_OWNED):
+        out.append(("export.fault", "ring_one_short", f"needs rings in the program: cache.mode=custom with both "
+                    f"custom_sdpa and custom_kv_cache (is {v(cfg.cache.mode)!r}, {flags(cfg.cache)})"))
     if e.max_context_len < 2:
         out.append(("export.max_context_len", e.max_context_len, "must be >= 2"))
     if e.prefill_chunk < 1:
@@ -258,7 +263,7 @@ def kv_cache_bytes(cfg, g: Geometry) -> int:
     modes with rings (window + chunk - 1 slots)."""
     e = cfg.export
     per_slot = 2 * g.num_kv_heads * g.head_dim * DTYPE_BYTES[v(e.dtype)]
-    rings = CACHE_MODES[cfg.cache.mode].RINGS
+    rings = CACHE_MODES[cfg.cache.mode].rings(flags(cfg.cache))
     total = 0
     for t in g.layer_types or ["full_attention"] * g.num_layers:
         slots = e.max_context_len

@@ -14,7 +14,7 @@ import torch
 from pipeline import abi
 from pipeline.backends import BACKENDS
 from pipeline.config import v
-from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_via_memory
@@ -82,7 +82,8 @@ def constant_methods(ctx) -> dict:
     e = ctx.cfg.export
     text = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
     return {**runner_constants(ctx),
-            **CACHE_MODES[ctx.cfg.cache.mode].constant_methods(text, e.max_context_len, e.prefill_chunk)}
+            **CACHE_MODES[ctx.cfg.cache.mode].constant_methods(text, e.max_context_len, e.prefill_chunk,
+                                                                flags(ctx.cfg.cache))}
 
 
 def delegation_report(edge) -> dict:

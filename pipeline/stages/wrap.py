@@ -12,7 +12,7 @@ import logging
 import torch
 
 from pipeline.config import v
-from pipeline.model.cache_modes import wrap
+from pipeline.model.cache_modes import flags, wrap
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
@@ -38,7 +38,7 @@ def run(ctx) -> dict:
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
-    module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk)
+    module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache))
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     tol = SELF_CHECK_TOL[dtype] * max(check["logit_scale"], SCALE_FLOOR)
@@ -49,7 +49,7 @@ def run(ctx) -> dict:
     module.reset()
     write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))
     spec = {
-        "cache_mode": mode, "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
+        "cache_mode": mode, "cache_flags": flags(ctx.cfg.cache), "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
         "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
         "vocab_size": g.vocab_size, "self_check": check,

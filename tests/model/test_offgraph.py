@@ -318,7 +318,7 @@ def test_gemma3_layout_and_constant_methods():
     model = tiny_gemma3()
     w = og.OffgraphLM(model, 64, "last", prefill_chunk=8)
     assert [L.ring for L in w.cache.layers] == [23, 23, None]
-    consts = og.constant_methods(model.config, 64, 8)
+    consts = og.constant_methods(model.config, 64, 8, og.FLAGS[0])
     assert consts["get_n_caches"] == 3
     assert consts["get_kv_heads"].tolist() == [1, 1, 1]
     assert consts["get_head_dims"].tolist() == [16, 16, 16]

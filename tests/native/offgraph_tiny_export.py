@@ -75,7 +75,7 @@ def export(name: str, out: Path) -> None:
     with torch.no_grad():
         ep = torch.export.export(module, (torch.tensor([[1, 2]]), torch.arange(2)),
                                  dynamic_shapes=({1: T}, {0: T}), strict=True)
-    consts = dict(offgraph.constant_methods(module.model.config, CTX, CHUNK), get_max_context_len=CTX,
+    consts = dict(offgraph.constant_methods(module.model.config, CTX, CHUNK, offgraph.FLAGS[0]), get_max_context_len=CTX,
                   get_max_seq_len=CHUNK, get_vocab_size=VOCAB, get_activation_dtype=6,
                   get_logits_to_keep_mode=LOGITS_MODE_CODES[logits], get_bos_id=1, get_eos_ids=EOS,
                   get_recipe_hash=f"offgraph-{name}")

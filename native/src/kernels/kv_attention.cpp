@@ -87,7 +87,8 @@ void attend_rows(const Segment& g, const Tensor& q, int64_t Ttot, float scale, v
                  int64_t r0, int64_t r1) {
   const SlotView& s = g.view;
   const int64_t T = g.T, D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), group = Hq / s.kv_heads;
-  const int64_t kstride = s.kv_heads * D, vstride = s.kv_heads * Dv;
+  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
+  const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
   const S* K = reinterpret_cast<const S*>(s.k);
   const S* V = reinterpret_cast<const S*>(s.v);
   const void* qd = q.const_data_ptr();
@@ -103,7 +104,7 @@ void attend_rows(const Segment& g, const Tensor& q, int64_t Ttot, float scale, v
     const float* qr = qrow.data();
     float mx = -INFINITY;
     for (int64_t key = lo; key <= qpos; ++key) {
-      const S* kr = K + g.read[key - g.base] * kstride + kh * D;
+      const S* kr = K + g.read[key - g.base] * kstride + kh * khead;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kr[d]);
@@ -116,7 +117,7 @@ void attend_rows(const Segment& g, const Tensor& q, int64_t Ttot, float scale, v
     for (int64_t key = lo; key <= qpos; ++key) {
       const float e = std::exp(scores[key - lo] - mx);
       sum += e;
-      const S* vr = V + g.read[key - g.base] * vstride + kh * Dv;
+      const S* vr = V + g.read[key - g.base] * vstride + kh * vhead;
 #pragma omp simd
       for (int64_t d = 0; d < Dv; ++d) a[d] += e * static_cast<float>(vr[d]);
     }
@@ -191,20 +192,21 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
   const auto* vd = static_cast<const uint8_t*>(v.const_data_ptr());
   for (int64_t t = 0; t < g.T; ++t) {
     const int64_t slot = g.write[t], row = g.row0 + t;
-    uint8_t* ks = s.k + slot * Hkv * D * es;
-    uint8_t* vs = s.v + slot * Hkv * Dv * es;
+    uint8_t* ks = s.k + slot * s.slot_stride(D) * es;
+    uint8_t* vs = s.v + slot * s.slot_stride(Dv) * es;
     for (int64_t h = 0; h < Hkv; ++h) {
-      // input [1,Hkv,Ttot,D] -> storage [slot][Hkv][D]
+      // input [1,Hkv,Ttot,D] -> storage [slot][Hkv][D] (or [Hkv][slot][D], head-major)
       const int64_t ki = (h * Ttot + row) * D, vi = (h * Ttot + row) * Dv;
+      const int64_t ko = h * s.head_stride(D), vo = h * s.head_stride(Dv);
       if (k_same) {
-        std::copy_n(kd + ki * es, D * es, ks + h * D * es);
+        std::copy_n(kd + ki * es, D * es, ks + ko * es);
       } else {
-        for (int64_t d = 0; d < D; ++d) store(ks, s.dtype, h * D + d, load(kd, k.scalar_type(), ki + d));
+        for (int64_t d = 0; d < D; ++d) store(ks, s.dtype, ko + d, load(kd, k.scalar_type(), ki + d));
       }
       if (v_same) {
-        std::copy_n(vd + vi * es, Dv * es, vs + h * Dv * es);
+        std::copy_n(vd + vi * es, Dv * es, vs + vo * es);
       } else {
-        for (int64_t d = 0; d < Dv; ++d) store(vs, s.dtype, h * Dv + d, load(vd, v.scalar_type(), vi + d));
+        for (int64_t d = 0; d < Dv; ++d) store(vs, s.dtype, vo + d, load(vd, v.scalar_type(), vi + d));
       }
     }
   }

@@ -64,6 +64,12 @@ struct SlotView {
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
   int dtype = kFloat;  // storage dtype code
   int64_t window = 0;  // 0 = full attention
+  // 0: slot-major [slot][kv_head][dim]; > 0: head-major BHSD [kv_head][slot][dim] over this many slots
+  // (HF's static cache layout, which llmpipe::sdpa / llmpipe::update_cache read and write)
+  int64_t head_major_slots = 0;
+  // elements between consecutive slots / kv heads of the keys (dim = head_dim) or values (dim = v_dim)
+  int64_t slot_stride(int64_t dim) const { return head_major_slots ? dim : kv_heads * dim; }
+  int64_t head_stride(int64_t dim) const { return head_major_slots ? head_major_slots * dim : dim; }
 };
 
 // Writes k [1,Hkv,T,D] and v [1,Hkv,T,Dv] (any float type) at the plan's write runs.

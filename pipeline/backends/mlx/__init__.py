@@ -28,6 +28,17 @@ def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> 
     return None
 
 
+def refuses_cache(mode: str, flags: dict) -> str | None:
+    """Why this backend cannot build a cache mode with these custom-op flags (None: it can). The MLX ops replace a
+    mode's cache update and attention together (attention.py), so only each mode's default flags."""
+    from pipeline.model.cache_modes import CACHE_MODES
+    default = CACHE_MODES[mode].FLAGS[0]
+    if flags != default:
+        return (f"allowed: custom_sdpa={default['custom_sdpa']}, custom_kv_cache={default['custom_kv_cache']} (the MLX "
+                "ops mlx::kv_cache_update + mlx::custom_sdpa come as a pair here)")
+    return None
+
+
 def setup() -> None:
     from pipeline.backends.mlx import schema
     schema.ensure()  # the wheel lacks the generated schema modules until this runs once

@@ -38,6 +38,11 @@ def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> 
     return None
 
 
+def refuses_cache(mode: str, flags: dict) -> str | None:
+    """Why this backend cannot build a cache mode with these custom-op flags (None: it can): it runs them all."""
+    return None
+
+
 def setup() -> None:
     pass
 

@@ -1,12 +1,13 @@
 """The KV-cache modes, one module each; the file name is the `cache.mode` value.
 
 Each module declares:
-    FLAGS: dict            -- the values of cache.custom_sdpa / cache.custom_kv_cache the mode takes (FLAGS_WHY: why)
+    FLAGS: tuple[dict]     -- the combinations of cache.custom_sdpa / cache.custom_kv_cache the mode takes, the
+                              first its default (FLAGS_WHY: why)
     RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
-    RINGS: bool            -- sliding layers hold window + chunk - 1 slots instead of the whole context
     KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
-    wrap(model, context, logits_mode, chunk) -> the runner-layout module (tokens, positions) -> logits
-    constant_methods(text_config, context, chunk) -> the constant methods the mode adds to the .pte
+    rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
+    wrap(model, context, logits_mode, chunk, flags) -> the runner-layout module (tokens, positions) -> logits
+    constant_methods(text_config, context, chunk, flags) -> the constant methods the mode adds to the .pte
 """
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ from pipeline.registry import Registry
 CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in (static, custom, offgraph)})
 
 
-def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None):
-    """The runner-layout module of `mode` over an HF causal LM, in eval mode (rings sized by the chunk)."""
-    return CACHE_MODES[mode].wrap(model, context, logits_mode, chunk or context).eval()
+def flags(cache) -> dict:
+    """cache.custom_sdpa / cache.custom_kv_cache of a cache config, as plain bools."""
+    return {"custom_sdpa": bool(cache.custom_sdpa), "custom_kv_cache": bool(cache.custom_kv_cache)}
+
+
+def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None, mode_flags: dict | None = None):
+    """The runner-layout module of `mode` over an HF causal LM, in eval mode (rings sized by the chunk);
+    mode_flags None: the mode's default flags."""
+    m = CACHE_MODES[mode]
+    return m.wrap(model, context, logits_mode, chunk or context, mode_flags or m.FLAGS[0]).eval()

@@ -25,11 +25,12 @@ from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attent
                                       step_args)
 from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
 
-FLAGS = {"custom_sdpa": True, "custom_kv_cache": True}
-FLAGS_WHY = "one fused op updates the in-graph cache and attends: both flags"
+# both: the fused op; one alone: that half of it (pipeline/model/custom_ops.py), as ExecuTorch's llama:: ops allow
+FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "custom_kv_cache": False},
+         {"custom_sdpa": False, "custom_kv_cache": True})
+FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
 RUNTIME_OWNED = False     # the cache is in the program
-RINGS = True              # sliding layers hold window + chunk - 1 slots
-KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out: native/'s kernel library
+KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_cache.out: native/'s kernel library
 
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
@@ -78,13 +79,22 @@ if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
     _define()
 
 
-def constant_methods(cfg, context: int, chunk: int) -> dict:
-    """get_ring_windows / get_ring_slots (one entry per ring layer), when the model has sliding layers."""
-    rings = [s.window for s in cache_layout(cfg).specs if s.window > 0]
-    if not rings:
+def fused(flags: dict) -> bool:
+    return bool(flags["custom_sdpa"] and flags["custom_kv_cache"])
+
+
+def rings(flags: dict) -> bool:
+    """Only the fused op keeps rings (window + chunk - 1 slots); either op alone works on a flat cache."""
+    return fused(flags)
+
+
+def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
+    """get_ring_windows / get_ring_slots (one entry per ring layer), when the program has rings."""
+    ring_windows = [s.window for s in cache_layout(cfg).specs if s.window > 0] if rings(flags) else []
+    if not ring_windows:
         return {}
-    return {"get_ring_windows": torch.tensor(rings, dtype=torch.long),
-            "get_ring_slots": torch.tensor([ring_slots(w, chunk, context) for w in rings], dtype=torch.long)}
+    return {"get_ring_windows": torch.tensor(ring_windows, dtype=torch.long),
+            "get_ring_slots": torch.tensor([ring_slots(w, chunk, context) for w in ring_windows], dtype=torch.long)}
 
 
 def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -132,5 +142,12 @@ class CustomCacheLM(HookedAttentionLM):
                 b.zero_()
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int) -> nn.Module:
-    return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk)
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
+    if fused(flags):
+        return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk)
+    from pipeline.model import custom_ops
+    if flags["custom_sdpa"]:
+        return custom_ops.SdpaStaticCacheLM(model, context, logits_mode)
+    if flags["custom_kv_cache"]:
+        return custom_ops.UpdateCacheLM(model, context, logits_mode)
+    raise ValueError(f"cache.mode=custom needs custom_sdpa and/or custom_kv_cache, got {flags}")

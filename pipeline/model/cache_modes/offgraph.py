@@ -26,10 +26,9 @@ from pipeline.model.kv_layout import cache_layout
 from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)
 
-FLAGS = {"custom_sdpa": False, "custom_kv_cache": False}
+FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
-RINGS = True              # sliding layers hold window + chunk - 1 slots
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
 
 NAMESPACE = "llmpipe"
@@ -74,7 +73,11 @@ if not hasattr(torch.ops, NAMESPACE) or not hasattr(getattr(torch.ops, NAMESPACE
 update_and_attend = torch.ops.llmpipe.update_and_attend
 
 
-def constant_methods(cfg, context: int, chunk: int) -> dict:
+def rings(flags: dict) -> bool:
+    return True  # sliding layers hold window + chunk - 1 slots
+
+
+def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
     """The cache geometry the .pte publishes (beside the runner layout's constant methods)."""
     lay = cache_layout(cfg)
     methods = {
@@ -131,5 +134,5 @@ class OffgraphLM(HookedAttentionLM):
         self.cache.reset()
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int) -> nn.Module:
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
     return OffgraphLM(model, context, logits_mode, prefill_chunk=chunk)

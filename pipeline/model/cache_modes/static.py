@@ -5,11 +5,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FLAGS = {"custom_sdpa": False, "custom_kv_cache": False}
-FLAGS_WHY = "the custom ops are the custom mode's (one fused op over an in-graph cache)"
+FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
+FLAGS_WHY = "the custom ops are the custom mode's (cache=custom takes either or both)"
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
-RINGS = False             # sliding layers keep the whole context
 KERNELS: tuple[str, ...] = ()
+
+
+def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int):
+    """HF's StaticCache of `max_context_len` positions for every layer (BHSD buffers it updates with index_copy_),
+    its tensors registered as `owner`'s buffers so export keeps them in the program; returns the cache."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cfg = model.config.get_text_config()
+    cache = StaticCache(config=cfg, max_cache_len=max_context_len)
+    cache.layers = [StaticLayer(max_context_len) for _ in cache.layers]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    cache.early_initialization(1, cfg.num_key_value_heads, head_dim, dtype, torch.device("cpu"))
+    for i, layer in enumerate(cache.layers):
+        owner.register_buffer(f"k_cache_{i}", layer.keys, persistent=False)
+        owner.register_buffer(f"v_cache_{i}", layer.values, persistent=False)
+        owner.register_buffer(f"cache_len_{i}", layer.cumulative_length, persistent=False)
+    return cache
 
 
 class StaticCacheLM(nn.Module):
@@ -21,21 +39,9 @@ class StaticCacheLM(nn.Module):
 
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last"):
         super().__init__()
-        from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
-
-        cfg = model.config.get_text_config()
         self.model = model
         self.logits_mode = logits_mode
-        self.cache = StaticCache(config=cfg, max_cache_len=max_context_len)
-        self.cache.layers = [StaticLayer(max_context_len) for _ in self.cache.layers]
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(model.parameters()).dtype
-        self.cache.early_initialization(1, cfg.num_key_value_heads, head_dim, dtype, torch.device("cpu"))
-        for i, layer in enumerate(self.cache.layers):
-            self.register_buffer(f"k_cache_{i}", layer.keys, persistent=False)
-            self.register_buffer(f"v_cache_{i}", layer.values, persistent=False)
-            self.register_buffer(f"cache_len_{i}", layer.cumulative_length, persistent=False)
+        self.cache = attach_static_cache(self, model, max_context_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # the caller says where this chunk starts: a rerun from position 0 starts a new sequence
@@ -52,9 +58,13 @@ class StaticCacheLM(nn.Module):
             layer.cumulative_length.zero_()
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int) -> nn.Module:
+def rings(flags: dict) -> bool:
+    return False  # sliding layers keep the whole context
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
     return StaticCacheLM(model, context, logits_mode)
 
 
-def constant_methods(cfg, context: int, chunk: int) -> dict:
+def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
     return {}
