@@ -13,6 +13,9 @@ each attention layer calls one fused op that updates it in place and attends.
 - To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
   buffers in the program and calls `llmpipe::cached_attention.out` in place
   (native/src/kernels/custom_kernel.cpp, the attention core shared with the off-graph op).
+- That is both flags (cache.custom_sdpa, cache.custom_kv_cache: the default). Either alone takes half of it, as
+  ExecuTorch's llama::custom_sdpa / llama::update_cache can be used apart (pipeline/model/custom_ops.py):
+  llmpipe::sdpa over HF's own static cache, or llmpipe::update_cache followed by the standard attention math.
 """
 from __future__ import annotations
 
