@@ -78,17 +78,19 @@ def run(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def test_a_tiny_build_is_verified_and_copied(tmp_path):
-    """custom_kv_cache alone on the tiny Gemma 3 (sliding layers): built, verified (Python runtime and C++ runner
-    against eager), and copied; the printed line is the build that ran."""
+    """custom_kv_cache alone on the tiny Llama: built, verified (the Python runtime against eager, the C++ runner against
+    the Python runtime), and copied; the printed line is the build that ran (the config of tiny_llama_custom with
+    cache.custom_sdpa=false, so tests/native/test_custom_split.py shares its entries)."""
     out = tmp_path / "tiny.pte"
-    r = run("--model-id", "tiny_gemma3", "--output", str(out), "--use-custom-kv-cache", "--max-ctx-len", "64",
-            "--prefill-chunk-size", "8", "--override", "run.progress=false")
+    r = run("--model-id", "tiny_llama", "--output", str(out), "--use-custom-kv-cache", "--max-ctx-len", "64",
+            "--prefill-chunk-size", "16", "--override", "verify.max_new_tokens=8", "--override", "run.progress=false")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     printed = shlex.split(lines[0][2:])
     assert lines[0].startswith("$ python -m pipeline ") and printed[3:] == [
-        "model=tiny_gemma3", "quantize=none", "cache=custom", "cache.custom_sdpa=false", "cache.custom_kv_cache=true",
-        "backend=xnnpack", "export.max_context_len=64", "export.prefill_chunk=8", "run.progress=false"]
+        "model=tiny_llama", "quantize=none", "cache=custom", "cache.custom_sdpa=false", "cache.custom_kv_cache=true",
+        "backend=xnnpack", "export.max_context_len=64", "export.prefill_chunk=16", "verify.max_new_tokens=8",
+        "run.progress=false"]
     manifest = json.loads(Path(next(ln for ln in lines if ln.startswith("manifest: ")).split(": ", 1)[1]).read_text())
     assert manifest["status"] == "ok" and manifest["overrides"] == printed[3:]
     assert "C++ runner: tokens identical to the Python runtime" in r.stdout
