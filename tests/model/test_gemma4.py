@@ -3,6 +3,7 @@ layout of KV-shared layers, and the wrapped modules of every cache mode against 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,41 @@ def test_multimodal_checkpoint_keeps_its_text_model(tmp_path):
     with torch.no_grad():
         assert torch.equal(text(ids).logits, full(ids).logits)
     assert keep_text_model(tmp_path) == {}  # already text-only
+
+
+@pytest.mark.slow  # ~50 s: a process of its own, two checkpoints written
+def test_gemma4_recipe_builds_a_multimodal_hub_checkpoint_offline(tmp_path):
+    """conf/model/gemma4.yaml's repo, published in a hub cache as a tiny multimodal checkpoint (config.json nests
+    text_config): preflight reads the nested geometry, download keeps the text model, wrap checks it."""
+    import shutil
+
+    from transformers.models.gemma4 import Gemma4Config
+
+    from pipeline.model.tiny_tokenizer import train
+    from pipeline.paths import ROOT
+    from tests.helpers import run_cli
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--google--gemma-4-E2B-it"
+    snap = repo / "snapshots" / commit
+    d = dict(sources.random_hf_config(compose_cfg("model=tiny_gemma4").model.random))
+    d.pop("model_type")
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_config(Gemma4Config(text_config=d, vision_config=None, audio_config=None)) \
+        .save_pretrained(snap)
+    train(512, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    out = f"outputs/test-gemma4-hub-{tmp_path.name}"
+    r = run_cli("recipe=gemma4_offgraph_4w", "export.max_context_len=64", "export.prefill_chunk=8", "run.until=wrap",
+                f"run.output_dir={out}", "run.progress=false",
+                env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")})
+    try:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        run_manifest = json.loads((ROOT / r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
+        stage = json.loads((Path(run_manifest["stages"][0]["path"]) / "manifest.json").read_text())
+        assert stage["info"]["text_model"]["to"] == "Gemma4ForCausalLM" and stage["info"]["commit"] == commit
+        wrap_info = json.loads((Path(run_manifest["stages"][1]["path"]) / "wrap.json").read_text())
+        assert wrap_info["self_check"]["max_abs_err"] < 1e-4 and wrap_info["self_check"]["tokens"] > 16
+    finally:
+        shutil.rmtree(ROOT / out, ignore_errors=True)
