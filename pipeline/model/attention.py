@@ -129,14 +129,8 @@ class HookedAttentionLM(nn.Module):
             for c, s in zip(self._attn_configs, saved):
                 c._attn_implementation = s
 
-    # Gemma 4 runs its KV-shared layers on the last row only when logits_mode is last; an attention op that
-    # needs as many query rows as K/V rows sets this (HF skips that slicing when router logits are asked for,
-    # which a model without MoE layers does not compute).
-    keep_all_rows = False
-
     def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # positions go to HF explicitly and no HF cache: HF would derive them from an empty cache
-        extra = {"output_router_logits": True} if self.keep_all_rows else {}
         with self._attn_impl():
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
-                              logits_to_keep=1 if self.logits_mode == "last" else 0, **extra).logits
+                              logits_to_keep=1 if self.logits_mode == "last" else 0).logits

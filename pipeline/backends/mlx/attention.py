@@ -32,7 +32,6 @@ def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0,
     positions, scaling = step_args("mlx custom", query, scaling, kwargs)
     src = kv_source(module)  # a KV-shared layer reads its source's buffers, written earlier in this forward
     T, slots, window = query.shape[2], src.k_cache.shape[2], src.kv_window
-    positions = positions.reshape(-1)[-T:]  # HF may keep only the step's last rows for a KV-shared layer
     start = _start(positions, T, slots)
     ring = slots if (window > 0 and slots < src.kv_context) else 0
     if src is module:
@@ -73,13 +72,27 @@ def _custom(module, max_context_len: int) -> str:
             m.register_buffer(name, buf.permute(1, 0, 2).unsqueeze(0).contiguous(), persistent=False)
         m.kv_context = int(max_context_len)
     module.use_attention("mlx_custom", mlx_custom_attention)
+    _keep_all_rows(module)
     return "mlx::kv_cache_update + mlx::custom_sdpa (window layers: masked sdpa)"
+
+
+def _all_rows(*inputs, **kwargs):
+    hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping = inputs[:4]
+    return hidden_states, per_layer_inputs, position_embeddings, causal_mask_mapping
+
+
+def _keep_all_rows(module) -> None:
+    """Gemma 4 runs its KV-shared layers on the last row only when one row of logits is kept; the MLX ops take
+    as many query rows as K/V rows (update_and_attend) or a start position (custom_sdpa), so every row goes
+    through. Set on the model instance after the wrapper was unpickled, before torch.export (never pickled)."""
+    for m in module.model.modules():
+        if hasattr(type(m), "_maybe_slice_kv_shared_inputs"):
+            m._maybe_slice_kv_shared_inputs = _all_rows
 
 
 def _offgraph(module, max_context_len: int) -> str:
     module.use_attention("mlx_offgraph", mlx_offgraph_attention)
-    if module.layout.n_shared:
-        module.keep_all_rows = True  # update_and_attend takes as many query rows as K/V rows
+    _keep_all_rows(module)
     return "kvcache::update_and_attend"
 
 
