@@ -94,7 +94,10 @@ def geometry(m) -> Geometry:
     """Geometry of the configured model; raises SourceError with the offending key."""
     source = getattr(m.source, "value", m.source)
     if source == "random":
-        return from_hf_config(random_hf_config(m.random))
+        try:
+            return from_hf_config(random_hf_config(m.random))
+        except ValueError as e:  # e.g. KV-shared layers without a non-shared layer of their type
+            raise SourceError(f"model.random: {e}") from None
     if source == "local":
         if not m.path or not (Path(m.path).expanduser() / "config.json").is_file():
             raise SourceError(f"model.path={m.path!r}: not a folder with a config.json (source=local)")

@@ -157,3 +157,13 @@ def test_gemma4_recipe_builds_a_multimodal_hub_checkpoint_offline(tmp_path):
         assert wrap_info["self_check"]["max_abs_err"] < 1e-4 and wrap_info["self_check"]["tokens"] > 16
     finally:
         shutil.rmtree(ROOT / out, ignore_errors=True)
+
+
+def test_kv_sharing_without_a_source_layer_is_a_config_error():
+    from pipeline.preflight import check
+    from pipeline.errors import ConfigError
+    cfg = compose_cfg("recipe=tiny_gemma4_offgraph", "model.random.num_kv_shared_layers=5")
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    text = str(e.value)
+    assert "model.random" in text and "num_kv_shared_layers=5" in text and "full_attention" in text
