@@ -128,8 +128,14 @@ def from_hf_config(cfg: dict) -> Geometry:
         full = [i for i, t in enumerate(types) if t == "full_attention"]
         n_shared = cfg.get("num_kv_shared_layers", 0) or 0
         src = kv_sources(types, n_shared)
-        extra = dict(layer_head_dims=[g_dim if i in full else head_dim for i in range(n)],
-                     layer_kv_heads=[(g_kv or kv_heads) if i in full else kv_heads for i in range(n)],
+        dims = [g_dim if i in full else head_dim for i in range(n)]
+        kvs = [(g_kv or kv_heads) if i in full else kv_heads for i in range(n)]
+        # a config.json saved by transformers >= 5.23 holds the per-layer overrides themselves ({"05": {...}})
+        for key, over in (cfg.get("per_layer_config") or {}).items():
+            i = int(key)
+            dims[i] = over.get("head_dim", head_dim)
+            kvs[i] = over.get("num_key_value_heads", kv_heads)
+        extra = dict(layer_head_dims=dims, layer_kv_heads=kvs,
                      kv_source=src, k_eq_v_layers=full if k_eq_v else [],
                      per_layer_input=cfg.get("hidden_size_per_layer_input", 256) or 0,
                      wide_mlp_layers=[i for i in range(n) if src[i] != i] if cfg.get("use_double_wide_mlp") else [])

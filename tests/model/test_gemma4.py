@@ -37,6 +37,9 @@ def test_geometry_reads_per_layer_dims_sharing_and_nested_text_config():
     d = sources.random_hf_config(compose_cfg("model=tiny_gemma4").model.random)
     flat, nested = from_hf_config(d), from_hf_config({"model_type": "gemma4", "text_config": d})
     assert flat == nested
+    # the same model's config.json as transformers saves it (per-layer overrides, no global_head_dim)
+    saved = hf_config("tiny_gemma4").to_dict()
+    assert "per_layer_config" in saved and from_hf_config(saved) == flat
     assert flat.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
     assert flat.kv_source == [0, 1, 2, 3, 3, 2]  # layer 4 (sliding) reads 3, layer 5 (full) reads 2
     assert flat.layer_head_dims == [16, 16, 32, 16, 16, 32]
