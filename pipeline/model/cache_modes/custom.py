@@ -10,6 +10,8 @@ each attention layer calls one fused op that updates it in place and attends.
   sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
   ring must satisfy T + w - 1 <= slots (a ring as long as the context never wraps).
 - Out: [1,Hq,T,Dv] in q's dtype; attention in fp32. No expanded K/V copies (GQA is an index).
+- A KV-shared layer (Gemma 4) has no buffers: `llmpipe::cached_attend(q, k_cache, v_cache, position, window,
+  scale)` attends over its source layer's, read-only, for its Tq query rows (possibly the step's last ones).
 - To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
   buffers in the program and calls `llmpipe::cached_attention.out` in place
   (native/src/kernels/custom_kernel.cpp, the attention core shared with the off-graph op).

@@ -12,6 +12,10 @@
   out_dtype) with the causal mask, banded on sliding layers. The C++ kernel is native/'s.
 - The program publishes the cache geometry (get_n_caches, get_kv_heads, get_head_dims, get_windows)
   so a runtime can build the cache it needs.
+- A KV-shared layer (Gemma 4's num_kv_shared_layers) has no cache: it calls
+  `llmpipe::attend_cached(q, position, cache_id, scale, out_dtype)` on its source layer's cache, which
+  reads without writing (out [B,Hq,Tq,D]: values as wide as keys); its Tq query rows may be only the
+  step's last ones. The program also publishes get_n_shared_layers (how many), for the cache report.
 """
 from __future__ import annotations
 
