@@ -27,5 +27,6 @@ def test_tiny_gemma4_builds_verify(model, mode, backend):
     assert v["same_quant"]["max_logit_err"] < 1e-3, v
     if backend == "xnnpack":
         assert v["native"]["token_parity"] is True
-    if mode == "offgraph" and model == "tiny_gemma4":
-        assert "2 shared" in (v.get("native") or {}).get("cache_report", "2 shared")
+        if mode == "offgraph":  # one cache entry per layer that computes K/V
+            shared = ", 2 shared" if model == "tiny_gemma4" else ""
+            assert v["native"]["cache_report"].endswith(shared or "ring(window 16)"), v["native"]
