@@ -23,6 +23,7 @@ class Source(str, Enum):
 class Arch(str, Enum):
     llama = "llama"
     gemma3 = "gemma3"
+    gemma4 = "gemma4"
 
 
 class DType(str, Enum):
@@ -79,8 +80,17 @@ class RandomModelConfig:
     num_key_value_heads: int = 2
     head_dim: int = 16
     vocab_size: int = 512
-    sliding_window: Optional[int] = None      # gemma3 only
-    sliding_window_pattern: int = 6           # gemma3: every Nth layer is full attention
+    sliding_window: Optional[int] = None      # gemma3/gemma4 only
+    sliding_window_pattern: int = 6           # gemma3/gemma4: every Nth layer is full attention
+    # gemma4 only: global (full-attention) layers' own head dim and KV heads (0 = as the sliding ones),
+    # per-layer input embeddings (0 = none), trailing layers that read another layer's K/V, values = keys
+    # on global layers, and shared layers' MLP twice as wide
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    hidden_size_per_layer_input: int = 0
+    num_kv_shared_layers: int = 0
+    attention_k_eq_v: bool = False
+    use_double_wide_mlp: bool = False
     tie_word_embeddings: bool = True
     seed: int = 0
 

@@ -6,6 +6,8 @@ import pytest
 from pipeline import preflight
 from pipeline.errors import ConfigError
 from pipeline.config import v
+from pipeline.model.geometry import from_hf_config
+from pipeline.validate import NEEDS_HUB, hub_offline_unless_reachable
 from pipeline.recipes import recipe_files
 from tests.helpers import compose_cfg
 
@@ -23,7 +25,18 @@ def test_recipes_found_recursively(tmp_path):
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_composes_and_passes_preflight(recipe):
     cfg = compose_cfg(f"recipe={recipe}")
-    geometry = preflight.check(cfg)
+    if v(cfg.model.source) == "hf" and not hub_offline_unless_reachable():
+        # no hub here: its config.json is the only thing missing, and on the geometry of HF's default config of
+        # the architecture (Gemma4TextConfig(): 30 layers, window 512, global head dim 512) every other rule passes
+        with pytest.raises(ConfigError) as e:
+            preflight.check(cfg)
+        assert all(NEEDS_HUB in why for _, _, why in e.value.problems), e.value.problems
+        assert cfg.model.name.startswith("gemma-4"), "a hub recipe of another architecture: pick its config here"
+        from transformers.models.gemma4 import Gemma4TextConfig
+        default = from_hf_config(Gemma4TextConfig().to_dict())
+        geometry = preflight.check(cfg, geometry_fn=lambda m: default)
+    else:
+        geometry = preflight.check(cfg)
     assert geometry is not None and geometry.num_layers > 0
 
 

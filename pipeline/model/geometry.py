@@ -26,33 +26,57 @@ class Geometry:
     sliding_window: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: bool = True
+    # per layer (empty = every layer has head_dim / num_kv_heads and its own K/V)
+    layer_head_dims: list[int] = field(default_factory=list)
+    layer_kv_heads: list[int] = field(default_factory=list)
+    kv_source: list[int] = field(default_factory=list)     # the layer whose K/V each layer attends over
+    k_eq_v_layers: list[int] = field(default_factory=list)  # layers whose values are their keys (no v_proj)
+    per_layer_input: int = 0                               # Gemma 4's per-layer input embedding width
+    wide_mlp_layers: list[int] = field(default_factory=list)  # layers whose MLP is twice intermediate_size
 
     @property
     def smallest_window(self) -> Optional[int]:
         return self.sliding_window if "sliding_attention" in self.layer_types else None
 
+    def layer_head_dim(self, i: int) -> int:
+        return self.layer_head_dims[i] if self.layer_head_dims else self.head_dim
+
+    def layer_kv_head_count(self, i: int) -> int:
+        return self.layer_kv_heads[i] if self.layer_kv_heads else self.num_kv_heads
+
+    def shares_kv(self, i: int) -> bool:
+        return bool(self.kv_source) and self.kv_source[i] != i
+
     def linears(self) -> dict[str, int]:
         """Every linear's module name (HF's Llama / Gemma layout) and its in_features."""
         out = {}
         for i in range(self.num_layers):
-            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[f"model.layers.{i}.self_attn.{proj}"] = self.num_heads * self.head_dim if proj == "o_proj" \
-                    else self.hidden_size
+            projs = ["q_proj"] if self.shares_kv(i) else \
+                ["q_proj", "k_proj"] + ([] if i in self.k_eq_v_layers else ["v_proj"])
+            for proj in projs:
+                out[f"model.layers.{i}.self_attn.{proj}"] = self.hidden_size
+            out[f"model.layers.{i}.self_attn.o_proj"] = self.num_heads * self.layer_head_dim(i)
+            width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[f"model.layers.{i}.mlp.{proj}"] = self.intermediate_size if proj == "down_proj" \
-                    else self.hidden_size
+                out[f"model.layers.{i}.mlp.{proj}"] = width if proj == "down_proj" else self.hidden_size
+            if self.per_layer_input:
+                out[f"model.layers.{i}.per_layer_input_gate"] = self.hidden_size
+                out[f"model.layers.{i}.per_layer_projection"] = self.per_layer_input
+        if self.per_layer_input:
+            out["model.per_layer_model_projection"] = self.hidden_size
         out["lm_head"] = self.hidden_size
         return out
 
     def linear_in_features(self) -> dict[str, int]:
-        """in_features of each kind of linear in a decoder layer, plus lm_head."""
-        return {
-            "q_proj/k_proj/v_proj": self.hidden_size,
-            "o_proj": self.num_heads * self.head_dim,
-            "gate_proj/up_proj": self.hidden_size,
-            "down_proj": self.intermediate_size,
-            "lm_head": self.hidden_size,
-        }
+        """in_features of each kind of linear (the distinct values per kind), plus lm_head."""
+        kinds = {"q_proj": "q_proj/k_proj/v_proj", "k_proj": "q_proj/k_proj/v_proj", "v_proj": "q_proj/k_proj/v_proj",
+                 "gate_proj": "gate_proj/up_proj", "up_proj": "gate_proj/up_proj"}
+        out: dict[str, int] = {}
+        for name, n in self.linears().items():
+            kind = kinds.get(name.rsplit(".", 1)[-1], name.rsplit(".", 1)[-1])
+            key = kind if out.get(kind, n) == n else f"{kind} ({name})"
+            out[key] = n
+        return out
 
 
 def layer_types(cfg) -> list[str]:
@@ -66,23 +90,69 @@ def layer_types(cfg) -> list[str]:
     return ["full_attention"] * n
 
 
+def kv_sources(types: list[str], n_shared: int) -> list[int]:
+    """The layer whose K/V each layer attends over: itself, or, for the last `n_shared` layers (Gemma 4's
+    num_kv_shared_layers), the last non-shared layer of the same attention type."""
+    n = len(types)
+    first = n - n_shared
+    out = list(range(n))
+    for i in range(first, n):
+        same = [j for j in range(first) if types[j] == types[i]]
+        if not same:
+            raise ValueError(f"num_kv_shared_layers={n_shared}: shared layer {i} ({types[i]}) has no earlier "
+                             f"non-shared layer of its type among the first {first}")
+        out[i] = same[-1]
+    return out
+
+
+def text_config(cfg: dict) -> dict:
+    """The text part of an HF config dict: a multimodal checkpoint nests it under `text_config`."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
 def from_hf_config(cfg: dict) -> Geometry:
+    cfg = text_config(cfg)
     heads = cfg["num_attention_heads"]
     sliding = cfg.get("sliding_window")
     types = layer_types(cfg)
+    n = cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    extra = {}
+    if cfg.get("model_type") == "gemma4_text":
+        # HF's Gemma4TextConfig: full-attention layers take global_head_dim (default 512) and, with
+        # attention_k_eq_v, num_global_key_value_heads; their values are their keys
+        k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+        g_dim = cfg.get("global_head_dim", 512)
+        g_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        n_shared = cfg.get("num_kv_shared_layers", 0) or 0
+        src = kv_sources(types, n_shared)
+        dims = [g_dim if i in full else head_dim for i in range(n)]
+        kvs = [(g_kv or kv_heads) if i in full else kv_heads for i in range(n)]
+        # a config.json saved by transformers >= 5.23 holds the per-layer overrides themselves ({"05": {...}})
+        for key, over in (cfg.get("per_layer_config") or {}).items():
+            i = int(key)
+            dims[i] = over.get("head_dim", head_dim)
+            kvs[i] = over.get("num_key_value_heads", kv_heads)
+        extra = dict(layer_head_dims=dims, layer_kv_heads=kvs,
+                     kv_source=src, k_eq_v_layers=full if k_eq_v else [],
+                     per_layer_input=cfg.get("hidden_size_per_layer_input", 256) or 0,
+                     wide_mlp_layers=[i for i in range(n) if src[i] != i] if cfg.get("use_double_wide_mlp") else [])
     return Geometry(
         arch=cfg.get("model_type", "?"),
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=n,
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=cfg["vocab_size"],
         layer_types=types,
         sliding_window=sliding if "sliding_attention" in types else None,
         max_position_embeddings=cfg.get("max_position_embeddings"),
         tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        **extra,
     )
 
 

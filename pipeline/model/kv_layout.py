@@ -5,10 +5,10 @@ and by the runtimes that build an off-graph program's cache from its constant me
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pipeline.model.geometry import layer_types
+from pipeline.model.geometry import kv_sources, layer_types
 
 
 @dataclass(frozen=True)
@@ -21,34 +21,53 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """layer -> cache index, and one LayerSpec per cache."""
+    """layer -> cache index, and one LayerSpec per cache. A KV-shared layer (Gemma 4's trailing
+    `num_kv_shared_layers`) has no cache of its own: it maps to its source layer's cache and only reads it."""
     layer_cache: list[int]
     specs: list[LayerSpec]
+    readonly: list[bool] = field(default_factory=list)  # per layer: attends over another layer's cache
 
     @property
     def n_caches(self) -> int:
         return len(self.specs)
 
+    @property
+    def n_shared(self) -> int:
+        return sum(self.readonly)
+
+    def is_readonly(self, layer: int) -> bool:
+        return bool(self.readonly) and self.readonly[layer]
+
+
+def _layer_dims(cfg, i: int) -> tuple[int, int]:
+    """(kv heads, head dim) of layer i; a heterogeneous config (Gemma 4's global layers) has its own per layer."""
+    lc = cfg.per_layer_config[i] if hasattr(cfg, "per_layer_config") else cfg
+    head_dim = getattr(lc, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return lc.num_key_value_heads, head_dim
+
 
 def cache_layout(cfg, windows: Optional[Sequence[int]] = None) -> CacheLayout:
-    """One cache per attention layer of an HF text config; `windows` (a pattern repeated over the caches,
-    0 = flat) overrides the model's policy (a runner-side choice: never heads or dims)."""
-    if getattr(cfg, "num_kv_shared_layers", 0):
-        raise NotImplementedError("KV-shared layers (num_kv_shared_layers) are not supported yet")
+    """One cache per attention layer of an HF text config that computes its own K/V (KV-shared layers read
+    their source's); `windows` (a pattern repeated over the caches, 0 = flat) overrides the model's policy
+    (a runner-side choice: never heads or dims, and a shared layer follows its source's cache)."""
     if getattr(cfg, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit softcapping is not supported")
     n = cfg.num_hidden_layers
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = cfg.num_key_value_heads
     types = layer_types(cfg)
     window = getattr(cfg, "sliding_window", None) or 0
-    specs = []
+    sources = kv_sources(types, getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    specs, layer_cache = [], []
     for i in range(n):
+        if sources[i] != i:
+            layer_cache.append(layer_cache[sources[i]])
+            continue
         w = window if types[i] == "sliding_attention" else 0
         if windows:
-            w = int(windows[i % len(windows)])
-        specs.append(LayerSpec(kv_heads, head_dim, head_dim, w))
-    return CacheLayout(list(range(n)), specs)
+            w = int(windows[len(specs) % len(windows)])
+        heads, dim = _layer_dims(cfg, i)
+        layer_cache.append(len(specs))
+        specs.append(LayerSpec(heads, dim, dim, w))
+    return CacheLayout(layer_cache, specs, [sources[i] != i for i in range(n)])
 
 
 def ring_slots(window: int, chunk: int, context: int) -> int:

@@ -91,6 +91,7 @@ class OffgraphCache:
         self.specs = list(specs)
         self.length = 0
         self.layers = [_Layer(s, self.capacity, self.max_write, self.initial_capacity, dtype) for s in specs]
+        self.shared_layers = 0  # attention layers that read another layer's cache (the report says so)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -117,6 +118,23 @@ class OffgraphCache:
                 f"(window {L.spec.window}, {L.ring} slots)")
         base = max(0, pos - L.spec.window + 1)
         return Plan(layer, pos, T, base, end, ring_runs(pos, T, L.ring), ring_runs(base, end - base, L.ring))
+
+    def plan_read(self, layer: int, pos: int, T: int) -> Plan:
+        """A read-only step (a KV-shared layer attending over its source's cache): queries at [pos, pos+T),
+        whose K/V the source layer wrote earlier in this forward (not yet committed, hence no gap check)."""
+        if not 0 <= layer < len(self.layers):
+            raise OffgraphCacheError(f"cache_id {layer} out of range: the cache has {len(self.layers)} layers")
+        L = self.layers[layer]
+        end = pos + T
+        if T < 1 or pos < 0 or end > min(self.capacity, L.allocated if L.ring is None else self.capacity):
+            raise OffgraphCacheError(f"a read of positions [{pos}, {end}) from cache {layer}: not written "
+                                     f"(capacity {self.capacity}, {L.allocated} slots allocated)")
+        if L.ring is None:
+            return Plan(layer, pos, T, 0, end, [], ring_runs(0, end, None))
+        if T > self.max_write:
+            raise OffgraphCacheError(f"a read of {T} queries exceeds max_write {self.max_write} of ring cache {layer}")
+        base = max(0, pos - L.spec.window + 1)
+        return Plan(layer, pos, T, base, end, [], ring_runs(base, end - base, L.ring))
 
     def check_step(self, pos: int, T: int) -> None:
         """Raises unless a step of T tokens at pos fits every layer (before anything is written)."""
@@ -187,7 +205,12 @@ class OffgraphCache:
                               for w in rings)
         dt = DTYPE_LABELS.get(self.dtype, str(self.dtype))
         return (f"[cache] off-graph seq | capacity={self.capacity} initial={self.initial_capacity} "
-                f"kv_dtype={dt}\n{len(self.layers)} layers: {flat} flat" + (f" + {ring_txt}" if rings else ""))
+                f"kv_dtype={dt}\n{len(self.layers)} layers: {flat} flat" + (f" + {ring_txt}" if rings else "")
+                + (f", {self.shared_layers} shared" if self.shared_layers else ""))
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage allocated now."""
+        return sum(L.k.numel() * L.k.element_size() + L.v.numel() * L.v.element_size() for L in self.layers)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -35,7 +35,24 @@ def random_hf_config(r) -> dict:
         return dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
                     sliding_window=r.sliding_window or 16, layer_types=types,
                     query_pre_attn_scalar=r.head_dim, **common)
-    raise SourceError(f"model.random.arch={arch!r}: allowed: llama, gemma3")
+    if arch == "gemma4":
+        return _gemma4(r, common)
+    raise SourceError(f"model.random.arch={arch!r}: allowed: llama, gemma3, gemma4")
+
+
+def _gemma4(r, common: dict) -> dict:
+    """Gemma 4 text: sliding layers with a full one every `sliding_window_pattern` (and last), global layers
+    with their own head dim / KV heads and proportional partial RoPE (HF's defaults), per-layer inputs."""
+    n, every = r.num_hidden_layers, r.sliding_window_pattern
+    types = ["full_attention" if (i + 1) % every == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
+    cfg = dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], sliding_window=r.sliding_window or 16,
+               layer_types=types, global_head_dim=r.global_head_dim or r.head_dim,
+               hidden_size_per_layer_input=r.hidden_size_per_layer_input, vocab_size_per_layer_input=r.vocab_size,
+               num_kv_shared_layers=r.num_kv_shared_layers, attention_k_eq_v=r.attention_k_eq_v,
+               use_double_wide_mlp=r.use_double_wide_mlp, **common)
+    if r.num_global_key_value_heads:
+        cfg["num_global_key_value_heads"] = r.num_global_key_value_heads
+    return cfg
 
 
 def package_gguf(package: str, pattern: str) -> tuple[Optional[Path], list[Path], Optional[Callable]]:
@@ -77,7 +94,10 @@ def geometry(m) -> Geometry:
     """Geometry of the configured model; raises SourceError with the offending key."""
     source = getattr(m.source, "value", m.source)
     if source == "random":
-        return from_hf_config(random_hf_config(m.random))
+        try:
+            return from_hf_config(random_hf_config(m.random))
+        except ValueError as e:  # e.g. KV-shared layers without a non-shared layer of their type
+            raise SourceError(f"model.random: {e}") from None
     if source == "local":
         if not m.path or not (Path(m.path).expanduser() / "config.json").is_file():
             raise SourceError(f"model.path={m.path!r}: not a folder with a config.json (source=local)")

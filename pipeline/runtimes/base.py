@@ -73,6 +73,8 @@ class RunnerProgram:
             specs, ctx, self.chunk, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
                                                                policy.kv_dtype)
             self.cache = runtime.Cache(specs, policy.capacity or ctx, self.chunk, policy.initial_capacity, dtype)
+            if "get_n_shared_layers" in names:  # KV-shared layers read their source's cache: no cache of their own
+                self.cache.shared_layers = abi.ints(self.program.constant("get_n_shared_layers"))[0]
 
     def constant(self, name: str):
         return self.program.constant(name)

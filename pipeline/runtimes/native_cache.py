@@ -37,6 +37,7 @@ def load_native_kernels(path=None):
                             ("llmpipe_cache_reset", None, [vp]), ("llmpipe_cache_length", i64, [vp]),
                             ("llmpipe_cache_allocated", i64, [vp, c_int]),
                             ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
+                            ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
                             ("llmpipe_last_error", ctypes.c_char_p, [])]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
@@ -59,6 +60,7 @@ class NativeOffgraphCache:
         if not h:
             raise ValueError(self._error())
         self._h = h
+        self._shared = 0
 
     def _error(self) -> str:
         return self._lib.llmpipe_last_error().decode()
@@ -98,6 +100,19 @@ class NativeOffgraphCache:
 
     def reset(self) -> None:
         self._lib.llmpipe_cache_reset(self._h)
+
+    @property
+    def shared_layers(self) -> int:
+        return self._shared
+
+    @shared_layers.setter
+    def shared_layers(self, n: int) -> None:
+        self._shared = int(n)
+        self._lib.llmpipe_cache_set_shared(self._h, self._shared)
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage allocated now."""
+        return self._lib.llmpipe_cache_bytes(self._h)
 
     def describe(self) -> str:
         return self._lib.llmpipe_cache_describe(self._h).decode()

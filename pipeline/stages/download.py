@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.model import sources
+from pipeline.model.checkpoint import ensure_tokenizer, keep_text_model
 from pipeline.config import v
 from pipeline.report.progress import spinner
 from pipeline.store.files import sha256_file
@@ -31,7 +32,9 @@ def run(ctx) -> dict:
     m = ctx.cfg.model
     out = ctx.out / "model"
     info = {"source": v(m.source), **FETCH[v(m.source)](m, ctx, out)}
-    _ensure_tokenizer_json(out, trust_remote_code=m.trust_remote_code)
+    # multimodal checkpoints keep their text model; processor-backed ones get their tokenizer saved as such
+    info.update(keep_text_model(out))
+    info.update(ensure_tokenizer(out, trust_remote_code=m.trust_remote_code))
     ctx.info.update(info)
     return info
 
@@ -104,11 +107,3 @@ def _keep(src: Path, dst: Path) -> None:
 FETCH = {"hf": _hf, "local": _local, "gguf": _gguf, "random": _random}
 
 
-def _ensure_tokenizer_json(folder: Path, trust_remote_code: bool) -> None:
-    if (folder / "tokenizer.json").exists():
-        return
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    tok.save_pretrained(folder)
-    if not (folder / "tokenizer.json").exists():
-        raise RuntimeError(f"{folder}: the tokenizer has no fast (tokenizer.json) form")

@@ -54,7 +54,45 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
   return out;
 }
 
+// llmpipe::cached_attend.out: a KV-shared layer attends over its source layer's buffers (written by the
+// source's cached_attention earlier in this forward) without writing; q may hold only the step's last rows.
+Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                          const Tensor& position, int64_t window, double scale, Tensor& out) {
+  auto fail = [&](const std::string& msg) -> Tensor& {
+    ET_LOG(Error, "llmpipe::cached_attend: %s", msg.c_str());
+    ctx.fail(Error::InvalidArgument);
+    return out;
+  };
+  if (q.dim() != 4 || q.size(0) != 1 || k_cache.dim() != 3 || v_cache.dim() != 3 ||
+      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) || k_cache.size(2) != q.size(3))
+    return fail("q must be [1,Hq,T,D] and the caches [slots,Hkv,D], [slots,Hkv,Dv]");
+  StepArgs a;
+  a.Hq = q.size(1), a.T = q.size(2), a.D = q.size(3), a.Hkv = k_cache.size(1), a.Dv = v_cache.size(2);
+  if (a.Hq % a.Hkv != 0) return fail("query heads are not a multiple of the KV heads");
+  if (element_size(static_cast<int>(q.scalar_type())) == 0) return fail("q must be Float, Half or BFloat16");
+  const int dtype = static_cast<int>(k_cache.scalar_type());
+  if (element_size(dtype) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
+    return fail("caches must both be Float, Half or BFloat16");
+  if (position.numel() != a.T || a.T < 1) return fail("position must have one entry per query row");
+  a.pos = position_at(position, 0);
+  for (int64_t i = 1; i < a.T; ++i)
+    if (position_at(position, i) != a.pos + i) return fail("positions must be consecutive");
+  const int64_t slots = k_cache.size(0);
+  if (window < 0 || a.pos < 0 || (window == 0 && a.pos + a.T > slots) || (window > 0 && a.T + window - 1 > slots &&
+                                                                          a.pos + a.T > slots))
+    return fail("positions [" + std::to_string(a.pos) + ", " + std::to_string(a.pos + a.T) +
+                ") do not fit a cache of " + std::to_string(slots) + " slots with window " + std::to_string(window));
+  if (!resize_out(out, a)) return fail("cannot resize out");
+  const Plan p = plan_step(0, a.pos, a.T, window, window > 0 ? slots : 0);
+  const SlotView view{static_cast<uint8_t*>(const_cast<void*>(k_cache.const_data_ptr())),
+                      static_cast<uint8_t*>(const_cast<void*>(v_cache.const_data_ptr())), a.Hkv, a.D, a.Dv, dtype,
+                      window};
+  attend(view, p, q, static_cast<float>(scale), out.mutable_data_ptr(), static_cast<int>(q.scalar_type()));
+  return out;
+}
+
 }  // namespace
 }  // namespace llmrt::kv
 
 LLMPIPE_KERNEL(llmpipe, "cached_attention.out", llmrt::kv::cached_attention_out);
+LLMPIPE_KERNEL(llmpipe, "cached_attend.out", llmrt::kv::cached_attend_out);

@@ -176,6 +176,7 @@ std::string OffgraphKvCache::describe() const {
                   " initial=" + std::to_string(initial_) + " kv_dtype=" + dtype_name(dtype_) + "\n" +
                   std::to_string(n_layers()) + " layers: " + std::to_string(flat) + " flat";
   for (auto& [w, n] : rings) s += " + " + std::to_string(n) + " ring(window " + std::to_string(w) + ")";
+  if (shared_ > 0) s += ", " + std::to_string(shared_) + " shared";
   return s;
 }
 

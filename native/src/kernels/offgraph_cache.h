@@ -92,7 +92,11 @@ class OffgraphKvCache {
   void reset() { length_ = 0; }
 
   int64_t bytes() const;
-  // "[cache] off-graph seq | capacity=C initial=I kv_dtype=D\nN layers: F flat + R ring(window W)"
+  // Attention layers that read another layer's cache (KV-shared layers, the program's
+  // get_n_shared_layers): they have no cache here; the report says how many.
+  void set_shared_layers(int64_t n) { shared_ = n; }
+  int64_t shared_layers() const { return shared_; }
+  // "[cache] off-graph seq | capacity=C initial=I kv_dtype=D\nN layers: F flat + R ring(window W)[, S shared]"
   std::string describe() const;
 
  private:
@@ -106,6 +110,7 @@ class OffgraphKvCache {
   int64_t capacity_, max_write_, initial_;
   int dtype_, esize_;
   int64_t length_ = 0;
+  int64_t shared_ = 0;
 };
 
 // What the kernel needs from one session of a batched step: its layers and, per layer, where a

@@ -65,6 +65,9 @@ int64_t llmpipe_cache_allocated(void* h, int layer) {
   return static_cast<OffgraphKvCache*>(h)->allocated(layer);
 }
 
+void llmpipe_cache_set_shared(void* h, int64_t n) { static_cast<OffgraphKvCache*>(h)->set_shared_layers(n); }
+int64_t llmpipe_cache_bytes(void* h) { return static_cast<OffgraphKvCache*>(h)->bytes(); }
+
 const char* llmpipe_cache_describe(void* h) {
   tl_text = static_cast<OffgraphKvCache*>(h)->describe();
   return tl_text.c_str();

@@ -120,10 +120,103 @@ Tensor& update_and_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const 
   return out;
 }
 
+// A KV-shared layer's query rows: q [1,Hq,T,D] (float types) at consecutive positions (checked for a single
+// cache; a batched step's rows are checked against its groups), against cache geometry `sp`.
+bool check_read_args(const Tensor& q, const Tensor& position, ScalarType out_dtype, const LayerSpec& sp,
+                     bool consecutive, kv::StepArgs* a, std::string* why) {
+  if (q.dim() != 4 || q.size(0) != 1) return *why = "q must be [1,Hq,T,D]", false;
+  if (kv::element_size(static_cast<int>(q.scalar_type())) == 0 ||
+      kv::element_size(static_cast<int>(out_dtype)) == 0)
+    return *why = "q and out_dtype must be Float, Half or BFloat16", false;
+  a->Hq = q.size(1), a->T = q.size(2), a->D = q.size(3), a->Hkv = sp.kv_heads, a->Dv = sp.v_dim;
+  if (a->D != sp.head_dim || a->Hq % sp.kv_heads != 0)
+    return *why = "the query [" + std::to_string(a->Hq) + " heads, dim " + std::to_string(a->D) +
+                  "] does not fit the cache's " + std::to_string(sp.kv_heads) + " KV heads of dim " +
+                  std::to_string(sp.head_dim), false;
+  if (position.numel() != a->T || a->T < 1)
+    return *why = "position has " + std::to_string(position.numel()) + " entries for T=" + std::to_string(a->T), false;
+  a->pos = kv::position_at(position, 0);
+  if (consecutive)
+    for (int64_t i = 1; i < a->T; ++i)
+      if (kv::position_at(position, i) != a->pos + i) return *why = "positions must be consecutive", false;
+  return true;
+}
+
+// llmpipe::attend_cached.out: a KV-shared layer attends over cache `cache_id` (its source layer's, written
+// earlier in this forward) without writing. The queries may be only the last rows of the step.
+Tensor& attend_cached_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& position, int64_t cache_id,
+                          double scale, ScalarType out_dtype, Tensor& out) {
+  auto fail = [&](Error e, const std::string& msg) -> Tensor& {
+    std::string m = "llmpipe::attend_cached (cache_id " + std::to_string(cache_id) + "): " + msg;
+    set_last_error(m);
+    ET_LOG(Error, "%s", m.c_str());
+    ctx.fail(e);
+    return out;
+  };
+  kv::StepArgs a;
+  std::string why;
+  if (const BatchStep* batch = bound_batch()) {
+    static thread_local std::vector<StepSlots> slots;
+    static thread_local std::vector<kv::Segment> segs;
+    slots.resize(batch->groups.size());
+    segs.resize(batch->groups.size());
+    if (batch->groups.empty()) return fail(Error::InvalidArgument, "the bound step has no rows");
+    StepKv* first = batch->groups[0].kv;
+    if (cache_id < 0 || cache_id >= first->n_layers())
+      return fail(Error::InvalidArgument, "out of range: the bound cache has " + std::to_string(first->n_layers()) +
+                                              " layers");
+    const int layer = static_cast<int>(cache_id);
+    if (!check_read_args(q, position, out_dtype, first->spec(layer), false, &a, &why))
+      return fail(Error::InvalidArgument, why);
+    if (batch->rows() != a.T)
+      return fail(Error::InvalidArgument, "the bound step has " + std::to_string(batch->rows()) +
+                                              " rows but the query has " + std::to_string(a.T));
+    int64_t row = 0;
+    for (size_t g = 0; g < batch->groups.size(); ++g) {
+      const RowGroup& rg = batch->groups[g];
+      for (int64_t i = 0; i < rg.T; ++i)
+        if (kv::position_at(position, row + i) != rg.pos + i)
+          return fail(Error::InvalidArgument, "row " + std::to_string(row + i) + " is not at the bound step's position");
+      if (!rg.kv->step_slots(layer, rg.pos, rg.T, &slots[g], &why))
+        return fail(Error::InvalidArgument, "row group " + std::to_string(g) + ": " + why);
+      const StepSlots& sl = slots[g];
+      segs[g] = kv::Segment{sl.view, rg.pos, rg.T, row, sl.base, sl.write.data(), sl.read.data()};
+      row += rg.T;
+    }
+    if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
+    kv::attend_segments(segs.data(), static_cast<int>(segs.size()), q, static_cast<float>(scale),
+                        out.mutable_data_ptr(), static_cast<int>(out_dtype));
+    return out;
+  }
+  OffgraphKvCache* cache = bound_cache();
+  if (cache == nullptr)
+    return fail(Error::InvalidState, "no off-graph KV cache is bound (run it with --kv-max-capacity, or bind a "
+                                     "cache before execute)");
+  if (cache_id < 0 || cache_id >= cache->n_layers())
+    return fail(Error::InvalidArgument,
+                "out of range: the bound cache has " + std::to_string(cache->n_layers()) + " layers");
+  const int layer = static_cast<int>(cache_id);
+  const LayerSpec& sp = cache->spec(layer);
+  if (!check_read_args(q, position, out_dtype, sp, true, &a, &why)) return fail(Error::InvalidArgument, why);
+  const int64_t end = a.pos + a.T, ring = cache->ring_slots(layer);
+  if (a.pos < 0 || end > cache->capacity() || (ring == 0 && end > cache->allocated(layer)))
+    return fail(Error::InvalidArgument, "positions [" + std::to_string(a.pos) + ", " + std::to_string(end) +
+                                            ") were not written to this cache");
+  if (ring != 0 && a.T > cache->max_write())
+    return fail(Error::InvalidArgument, "a read of " + std::to_string(a.T) + " queries exceeds max_write " +
+                                            std::to_string(cache->max_write()));
+  const Plan p = kv::plan_step(layer, a.pos, a.T, sp.window, ring);
+  if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
+  kv::attend(cache->view(layer), p, q, static_cast<float>(scale), out.mutable_data_ptr(),
+             static_cast<int>(out_dtype));
+  return out;
+}
+
 }  // namespace
 }  // namespace llmrt::offgraph
 
 LLMPIPE_KERNEL(llmpipe, "update_and_attend.out", llmrt::offgraph::update_and_attend_out);
+LLMPIPE_KERNEL(llmpipe, "attend_cached.out", llmrt::offgraph::attend_cached_out);
 
 // Referenced by the runner so that a non-whole-archive link would fail loudly
 // rather than silently drop the registration.

@@ -121,7 +121,8 @@ int run(const Options& o) {
       std::fprintf(stderr, "[cache] prefill chunk %lld -> %lld (narrowest ring window)\n",
                    static_cast<long long>(info.max_seq_len), static_cast<long long>(chunk));
     cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
-                                                       o.kv_initial_capacity, o.kv_dtype(info.activation_dtype));
+                                                       o.kv_initial_capacity, o.kv_dtype(info.activation_dtype),
+                                                       g.n_shared);
     prog.set_position_limit(o.kv_max_capacity);
   } else {
     if (info.offgraph)

@@ -111,8 +111,10 @@ class InGraphCache final : public KvCacheOwner {
 class OffgraphCacheOwner final : public KvCacheOwner {
  public:
   OffgraphCacheOwner(std::vector<offgraph::LayerSpec> specs, int64_t capacity, int64_t max_write,
-                     int64_t initial, int dtype_code)
-      : cache_(std::move(specs), capacity, max_write, initial, dtype_code) {}
+                     int64_t initial, int dtype_code, int64_t shared_layers = 0)
+      : cache_(std::move(specs), capacity, max_write, initial, dtype_code) {
+    cache_.set_shared_layers(shared_layers);
+  }
   ~OffgraphCacheOwner() override {
     if (offgraph::bound_cache() == &cache_) offgraph::bind_cache(nullptr);
   }

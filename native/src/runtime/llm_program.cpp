@@ -237,6 +237,12 @@ LlmProgram::CacheGeometry LlmProgram::cache_geometry() {
   auto names = module_->method_names();
   g.v_dims = names.ok() && names->count("get_v_head_dims") ? list("get_v_head_dims", 1, kMaxDim) : g.head_dims;
   g.windows = list("get_windows", 0, kMaxWindow);
+  if (names.ok() && names->count("get_n_shared_layers")) {
+    g.n_shared = read_int("get_n_shared_layers", true, 0);
+    if (g.n_shared < 0 || g.n_shared > kMaxDim)
+      throw ProgramError("constant method 'get_n_shared_layers' returned " + std::to_string(g.n_shared) +
+                         " (must be in [0, " + std::to_string(kMaxDim) + "])");
+  }
   return g;
 }
 

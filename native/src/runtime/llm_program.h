@@ -55,6 +55,7 @@ class LlmProgram {
   // missing or invalid method.
   struct CacheGeometry {
     int64_t n_caches = 0;
+    int64_t n_shared = 0;  // get_n_shared_layers (optional): attention layers reading another layer's cache
     std::vector<int64_t> kv_heads, head_dims, v_dims, windows;
   };
   CacheGeometry cache_geometry();

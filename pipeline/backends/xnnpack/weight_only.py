@@ -21,6 +21,7 @@ from torch import nn
 
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
+from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.utils.quant_utils import (
     is_affine_qdq, is_dequant, is_per_channel, is_per_channel_group, tag_as_implicit_q_dq)
@@ -101,8 +102,20 @@ class WeightOnlyLinearConfig(LinearConfig):
         return deps
 
 
+class ExactGeluConfig(GeluConfig):
+    """XNNPACK's GELU is the erf form: its serializer drops `approximate`, so the tanh GELU of Gemma's MLPs
+    (gelu_pytorch_tanh) would be computed as another function (a 1e-3 logit error on a tiny random Gemma 4).
+    It stays outside the delegate, on the portable kernel that honours `approximate`."""
+
+    def check_constraints(self, node: torch.fx.Node, ep) -> bool:
+        if node.kwargs.get("approximate", "none") != "none":
+            return False
+        return super().check_constraints(node, ep)
+
+
 def partitioner() -> XnnpackPartitioner:
-    swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig}
+    swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig,
+            GeluConfig: ExactGeluConfig}
     return XnnpackPartitioner(configs=[swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS], enable_bf16=True)
 
 

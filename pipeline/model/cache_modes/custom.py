@@ -10,6 +10,8 @@ each attention layer calls one fused op that updates it in place and attends.
   sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
   ring must satisfy T + w - 1 <= slots (a ring as long as the context never wraps).
 - Out: [1,Hq,T,Dv] in q's dtype; attention in fp32. No expanded K/V copies (GQA is an index).
+- A KV-shared layer (Gemma 4) has no buffers: `llmpipe::cached_attend(q, k_cache, v_cache, position, window,
+  scale)` attends over its source layer's, read-only, for its Tq query rows (possibly the step's last ones).
 - To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
   buffers in the program and calls `llmpipe::cached_attention.out` in place
   (native/src/kernels/custom_kernel.cpp, the attention core shared with the off-graph op).
@@ -38,6 +40,8 @@ KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_ca
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
 QUALNAME = f"{NAMESPACE}::{OP_NAME}"
+READ_OP_NAME = "cached_attend"   # a KV-shared layer's read-only attend over its source layer's buffers
+READ_QUALNAME = f"{NAMESPACE}::{READ_OP_NAME}"
 ATTN_IMPL = "llmpipe_custom"
 
 
@@ -66,6 +70,24 @@ def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale
     return attend_gathered(q, K, V, pos, base, window, scale, q.dtype)
 
 
+def cached_attend_ref(q, k_cache, v_cache, position, window: int, scale: float) -> torch.Tensor:
+    """A KV-shared layer (eager): attend over its source layer's buffers, written earlier in this forward,
+    without writing; q holds the queries at `position` (possibly only the step's last rows)."""
+    pos_list = position.reshape(-1).tolist()
+    T, slots = q.shape[2], k_cache.shape[0]
+    if len(pos_list) != T or pos_list != list(range(pos_list[0], pos_list[0] + T)):
+        raise ValueError(f"{READ_QUALNAME}: position must be {T} consecutive entries, got {pos_list}")
+    pos = int(pos_list[0])
+    ring = slots if window > 0 else None
+    if pos < 0 or (ring is None and pos + T > slots):
+        raise ValueError(f"{READ_QUALNAME}: positions [{pos}, {pos + T}) exceed the cache's {slots} positions")
+    base = max(0, pos - window + 1) if window > 0 else 0
+    runs = ring_runs(base, pos + T - base, ring)
+    K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)
+    V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
+    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype)
+
+
 def _define() -> None:
     def eager(q, k, v, k_cache, v_cache, position, window, scale):
         return cached_attention_ref(q, k, v, k_cache, v_cache, position, int(window), float(scale))
@@ -78,8 +100,22 @@ def _define() -> None:
         "int window, float scale", "c", eager, fake)
 
 
+def _define_readonly() -> None:
+    def eager(q, k_cache, v_cache, position, window, scale):
+        return cached_attend_ref(q, k_cache, v_cache, position, int(window), float(scale))
+
+    def fake(q, k_cache, v_cache, position, window, scale):
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v_cache.shape[2]))
+
+    globals()["_LIB_READ"] = define_op(
+        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor k_cache, Tensor v_cache, Tensor position, int window, float scale",
+        "a", eager, fake)
+
+
 if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
     _define()
+if not hasattr(getattr(torch.ops, NAMESPACE), READ_OP_NAME):
+    _define_readonly()
 
 
 def fused(flags: dict) -> bool:
@@ -103,9 +139,20 @@ def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
 def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention-interface function: q/k arrive RoPE-rotated, [B,H,T,D]; returns ([B,T,H,Dv], None)."""
     positions, scaling = step_args("custom", query, scaling, kwargs)
+    src = kv_source(module)
+    if src is not module:
+        # a KV-shared layer: its source wrote this step; HF may keep only the step's last rows for it
+        out = torch.ops.llmpipe.cached_attend(query, src.k_cache, src.v_cache,
+                                              positions.reshape(-1)[-query.shape[2]:], src.kv_window, scaling)
+        return out.transpose(1, 2).contiguous(), None
     out = torch.ops.llmpipe.cached_attention(query, key, value, module.k_cache, module.v_cache,
                                              positions.reshape(-1), module.kv_window, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def kv_source(module: nn.Module) -> nn.Module:
+    """The attention module whose buffers `module` attends over (itself, or a KV-shared layer's source)."""
+    return module.__dict__.get("_kv_source", module)
 
 
 class CustomCacheLM(HookedAttentionLM):
@@ -123,7 +170,12 @@ class CustomCacheLM(HookedAttentionLM):
         chunk = prefill_chunk or max_context_len
         dtype = next(model.parameters()).dtype
         self.slots = []
-        for m in attention_layers(model):
+        layers = attention_layers(model)
+        by_cache = {}
+        for m in layers:
+            if layout.is_readonly(m.layer_idx):
+                continue
+            by_cache[layout.layer_cache[m.layer_idx]] = m
             spec = layout.specs[layout.layer_cache[m.layer_idx]]
             slots = ring_slots(spec.window, chunk, max_context_len)
             m.kv_window = int(spec.window)
@@ -132,6 +184,9 @@ class CustomCacheLM(HookedAttentionLM):
             m.register_buffer("v_cache", torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype),
                               persistent=False)
             self.slots.append(slots)
+        for m in layers:
+            # a plain attribute, not a submodule: the source's buffers are read, never a second copy
+            m.__dict__["_kv_source"] = by_cache[layout.layer_cache[m.layer_idx]]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self._logits(tokens, positions)

@@ -12,6 +12,10 @@
   out_dtype) with the causal mask, banded on sliding layers. The C++ kernel is native/'s.
 - The program publishes the cache geometry (get_n_caches, get_kv_heads, get_head_dims, get_windows)
   so a runtime can build the cache it needs.
+- A KV-shared layer (Gemma 4's num_kv_shared_layers) has no cache: it calls
+  `llmpipe::attend_cached(q, position, cache_id, scale, out_dtype)` on its source layer's cache, which
+  reads without writing (out [B,Hq,Tq,D]: values as wide as keys); its Tq query rows may be only the
+  step's last ones. The program also publishes get_n_shared_layers (how many), for the cache report.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel lib
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
 QUALNAME = f"{NAMESPACE}::{OP_NAME}"
+READ_OP_NAME = "attend_cached"   # a KV-shared layer's read-only attend over its source layer's cache
+READ_QUALNAME = f"{NAMESPACE}::{READ_OP_NAME}"
 ATTN_IMPL = "llmpipe_offgraph"  # the HF attention-implementation name the wrapper switches to
 
 
@@ -49,6 +55,21 @@ def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float,
     cache.write(plan, k[0], v[0])
     K, V = cache.gather(plan)                                    # [Hkv,S,D], [Hkv,S,Dv]
     return attend_gathered(q, K, V, pos, plan.base, spec.window, scale, out_dtype)
+
+
+def attend_readonly(cache: OffgraphCache, q, position, cache_id: int, scale: float, out_dtype) -> torch.Tensor:
+    """A KV-shared layer: attend over cache `cache_id` (its source layer's, written earlier in this forward)
+    without writing; queries at the positions given (the last T_q of the step)."""
+    T = q.shape[2]
+    pos_list = position.reshape(-1).tolist()
+    if len(pos_list) != T or pos_list != list(range(pos_list[0], pos_list[0] + T)):
+        raise ValueError(f"{READ_QUALNAME}: position must be {T} consecutive entries, got {pos_list}")
+    plan = cache.plan_read(cache_id, int(pos_list[0]), T)
+    spec = cache.specs[cache_id]
+    if spec.head_dim != q.shape[3] or q.shape[1] % spec.kv_heads:
+        raise OffgraphCacheError(f"cache {cache_id} holds {spec} but the query is {tuple(q.shape)}")
+    K, V = cache.gather(plan)
+    return attend_gathered(q, K, V, plan.pos, plan.base, spec.window, scale, out_dtype)
 
 
 def _define() -> None:
@@ -67,8 +88,26 @@ def _define() -> None:
         "ScalarType out_dtype", "a", eager, fake)
 
 
+def _define_readonly() -> None:
+    def eager(q, position, cache_id, scale, out_dtype):
+        try:
+            cache = bound_cache()
+        except OffgraphCacheError as e:
+            raise OffgraphCacheError(f"{READ_QUALNAME}: {e}") from None
+        return attend_readonly(cache, q, position, int(cache_id), float(scale), out_dtype)
+
+    def fake(q, position, cache_id, scale, out_dtype):
+        return q.new_empty(q.shape, dtype=out_dtype)
+
+    globals()["_LIB_READ"] = define_op(
+        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor position, int cache_id, float scale, ScalarType out_dtype",
+        "a", eager, fake)
+
+
 if not hasattr(torch.ops, NAMESPACE) or not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
     _define()
+if not hasattr(getattr(torch.ops, NAMESPACE), READ_OP_NAME):
+    _define_readonly()
 
 update_and_attend = torch.ops.llmpipe.update_and_attend
 
@@ -86,6 +125,8 @@ def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
         "get_head_dims": torch.tensor([s.head_dim for s in lay.specs], dtype=torch.long),
         "get_windows": torch.tensor([s.window for s in lay.specs], dtype=torch.long),
     }
+    if lay.n_shared:
+        methods["get_n_shared_layers"] = lay.n_shared
     if any(s.v_dim != s.head_dim for s in lay.specs):
         methods["get_v_head_dims"] = torch.tensor([s.v_dim for s in lay.specs], dtype=torch.long)
     return methods
@@ -98,6 +139,12 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
     cache_id = getattr(module, "_offgraph_cache_id", None)
     if cache_id is None:
         raise RuntimeError(f"offgraph attention: layer {getattr(module, 'layer_idx', '?')} has no cache id")
+    if getattr(module, "_offgraph_readonly", False):
+        # a KV-shared layer: key/value are its source's, already in the cache; HF may have kept only the
+        # last rows of the step for it (logits_to_keep), so its queries sit at the step's last positions
+        out = torch.ops.llmpipe.attend_cached(query, positions.reshape(-1)[-query.shape[2]:], cache_id,
+                                              scaling, query.dtype)
+        return out.transpose(1, 2).contiguous(), None
     out = torch.ops.llmpipe.update_and_attend(query, key, value, positions.reshape(-1), cache_id,
                                               scaling, query.dtype)
     return out.transpose(1, 2).contiguous(), None
@@ -121,9 +168,11 @@ class OffgraphLM(HookedAttentionLM):
         self.layout = cache_layout(model.config.get_text_config(), windows)
         for m in attention_layers(model):
             m._offgraph_cache_id = self.layout.layer_cache[m.layer_idx]
+            m._offgraph_readonly = self.layout.is_readonly(m.layer_idx)
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = OffgraphCache(self.layout.specs, max_context_len, prefill_chunk or max_context_len,
                                    initial_capacity, dtype)
+        self.cache.shared_layers = self.layout.n_shared
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if _is_tracing():

@@ -15,15 +15,23 @@ def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int
     """HF's StaticCache of `max_context_len` positions for every layer (BHSD buffers it updates with index_copy_),
     its tensors registered as `owner`'s buffers so export keeps them in the program; returns the cache."""
     from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
+    from transformers.cache_utils import DummyLayer, StaticLayer
+
+    from pipeline.model.kv_layout import cache_layout
 
     cfg = model.config.get_text_config()
     cache = StaticCache(config=cfg, max_cache_len=max_context_len)
-    cache.layers = [StaticLayer(max_context_len) for _ in cache.layers]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # KV-shared layers (Gemma 4) keep HF's DummyLayer: they read their source layer's K/V
+    cache.layers = [layer if isinstance(layer, DummyLayer) else StaticLayer(max_context_len)
+                    for layer in cache.layers]
+    lay = cache_layout(cfg)
+    specs = [lay.specs[c] for c in lay.layer_cache]
     dtype = next(model.parameters()).dtype
-    cache.early_initialization(1, cfg.num_key_value_heads, head_dim, dtype, torch.device("cpu"))
+    cache.early_initialization(1, [s.kv_heads for s in specs], [s.head_dim for s in specs], dtype,
+                               torch.device("cpu"))
     for i, layer in enumerate(cache.layers):
+        if isinstance(layer, DummyLayer):
+            continue
         owner.register_buffer(f"k_cache_{i}", layer.keys, persistent=False)
         owner.register_buffer(f"v_cache_{i}", layer.values, persistent=False)
         owner.register_buffer(f"cache_len_{i}", layer.cumulative_length, persistent=False)
@@ -45,14 +53,17 @@ class StaticCacheLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # the caller says where this chunk starts: a rerun from position 0 starts a new sequence
-        for layer in self.cache.layers:
+        for layer in self._layers():
             layer.cumulative_length.copy_(positions[0])
         out = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0)
         return out.logits
 
+    def _layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+
     def reset(self) -> None:
-        for layer in self.cache.layers:
+        for layer in self._layers():
             layer.keys.zero_()
             layer.values.zero_()
             layer.cumulative_length.zero_()

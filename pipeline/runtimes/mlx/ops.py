@@ -148,6 +148,10 @@ class Interpreter:
     def op_TileNode(self, n, st):
         st.t[_tid(n["out"])] = _mx().tile(st.tensor(n["x"]), st.ints(n["reps"]))
 
+    def op_RepeatNode(self, n, st):
+        """Each element `repeats` times along `axis` (mx.repeat: aten's repeat_interleave, e.g. GQA's KV heads)."""
+        st.t[_tid(n["out"])] = _mx().repeat(st.tensor(n["x"]), st.int(n["repeats"]), axis=n.get("axis", 0))
+
     def op_ConcatenateNode(self, n, st):
         st.t[_tid(n["out"])] = _mx().concatenate([st.tensor(t) for t in n["tensors"]], axis=n.get("axis", 0))
 
