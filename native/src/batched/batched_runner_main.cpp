@@ -62,8 +62,12 @@ void print_help() {
       "                              batched-cell (one pool of cells shared by the sessions)\n"
       "                              (default: %s)\n"
       "  --kv-initial-capacity N     positions first allocated per flat layer (per session, or\n"
-      "                              cells of the pool); doubles on demand (default: %lld)\n"
+      "                              cells of the pool); doubles on demand; -1 = the default\n"
+      "                              (clamped to the session) (default: %lld)\n"
       "  --kv-storage-dtype T        fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
+      "  --kv-windows LIST           comma list of windows repeated over the caches, 0 = flat\n"
+      "                              (full attention), e.g. 512,0; the rows per forward stay the\n"
+      "                              exported chunk (default: the program's get_windows)\n"
       "  --temperature T             0 = greedy argmax (default: %g)\n"
       "  --top-p P                   nucleus sampling, 1 = off (default: %g)\n"
       "  --top-k K                   top-k sampling, 0 = off (default: %lld)\n"
@@ -80,6 +84,9 @@ void print_help() {
       "  --quiet                     do not print the texts to stdout (default: off)\n"
       "%s"
       "  --help                      this text\n"
+      "\n"
+      "Every flag also takes underscores, as the reference spells them: --max_new_tokens,\n"
+      "--cache_kind, --max_session_tokens, --prefix_cache_entries, --prompt_rounds, ...\n"
       "\n"
       "Output: each generation's text goes to stdout; the reports go to stderr: one line per\n"
       "generation ('GEN_JSON: {...}': prompt / cached / generated tokens, time to first token,\n"
@@ -277,20 +284,19 @@ int run(const Options& o) {
     prompts.push_back(std::move(ids));
   }
 
-  // the caches: the program's geometry; a ring holds window + chunk - 1 slots
+  // the caches: the program's geometry, the windows of --kv-windows if given; the rows per forward stay the
+  // exported chunk whatever the windows (a ring holds window + chunk - 1 slots)
   LlmProgram::CacheGeometry g = prog.cache_geometry();
+  const std::vector<int64_t> windows = o.windows(g.windows);
   std::vector<offgraph::LayerSpec> specs;
-  int64_t chunk = info.max_seq_len;
-  for (int64_t l = 0; l < g.n_caches; ++l) {
-    specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], g.windows[l]});
-    if (g.windows[l] > 0 && g.windows[l] < chunk) chunk = g.windows[l];
-  }
+  const int64_t chunk = info.max_seq_len;
+  for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
   EngineOptions eo;
   eo.cache_kind = o.cache_kind == "batched-cell" ? CacheKind::cell : CacheKind::sequence;
   eo.max_session_tokens = max_session;
   eo.max_decode_sequences = o.max_decode_sequences;
   eo.max_new_tokens = o.max_new_tokens;
-  eo.kv_initial_capacity = o.kv_initial_capacity;
+  eo.kv_initial_capacity = o.kv_initial();
   eo.kv_dtype = o.kv_dtype(info.activation_dtype);
   eo.temperature = o.temperature;
   eo.top_p = o.top_p;

@@ -57,6 +57,9 @@ bool ArgReader::next() {
       name_ = arg_.substr(0, eq);
       has_inline_ = true;
     }
+    // both spellings: the reference documents --max_new_tokens, --cache_kind, ...; the name is read dashed
+    for (size_t k = 2; k < name_.size(); ++k)
+      if (name_[k] == '_') name_[k] = '-';
   }
   return true;
 }
@@ -90,6 +93,14 @@ bool CommonOptions::parse(ArgReader& args) {
   else if (a == "--kv-initial-capacity") {
     kv_initial_capacity = parse_int(a, args.value());
     kv_flags = true;
+  } else if (a == "--kv-windows") {
+    kv_windows = args.value();
+    kv_flags = true;
+    try {
+      offgraph::parse_windows(kv_windows);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
   } else if (a == "--kv-storage-dtype") {
     kv_storage_dtype = args.value();
     kv_flags = true;
@@ -118,13 +129,26 @@ void CommonOptions::check_threads() const {
 }
 
 void CommonOptions::check_kv_initial_capacity() const {
-  if (kv_initial_capacity < 1)
-    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(kv_initial_capacity));
+  if (kv_initial_capacity < 1 && kv_initial_capacity != kKvInitialDefault)
+    throw UsageError("--kv-initial-capacity must be >= 1, or -1 for the default (" +
+                     std::to_string(kKvInitialCapacity) + ", clamped to the capacity), got " +
+                     std::to_string(kv_initial_capacity));
 }
 
 void CommonOptions::check_kv_storage_dtype() const {
   if (offgraph::parse_dtype(kv_storage_dtype) < 0)
     throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + kv_storage_dtype + "'");
+}
+
+int64_t CommonOptions::kv_initial() const {
+  return kv_initial_capacity == kKvInitialDefault ? kKvInitialCapacity : kv_initial_capacity;
+}
+
+std::vector<int64_t> CommonOptions::windows(std::vector<int64_t> program_windows) const {
+  if (kv_windows.empty()) return program_windows;
+  const std::vector<int64_t> pat = offgraph::parse_windows(kv_windows);
+  for (size_t l = 0; l < program_windows.size(); ++l) program_windows[l] = pat[l % pat.size()];
+  return program_windows;
 }
 
 int CommonOptions::kv_dtype(int64_t activation_dtype) const {

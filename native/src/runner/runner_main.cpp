@@ -107,21 +107,12 @@ int run(const Options& o) {
       throw ProgramError("--kv-max-capacity selects the off-graph KV cache, but this program keeps its "
                          "cache in the graph (no constant method 'get_n_caches'); drop --kv-* flags");
     LlmProgram::CacheGeometry g = prog.cache_geometry();
-    std::vector<int64_t> windows = g.windows;
-    if (!o.kv_windows.empty()) {
-      std::vector<int64_t> pat = offgraph::parse_windows(o.kv_windows);
-      for (int64_t l = 0; l < g.n_caches; ++l) windows[l] = pat[l % pat.size()];
-    }
+    // --kv-windows changes the policy only: the prefill chunk stays as exported, a ring holds window + chunk - 1
+    const std::vector<int64_t> windows = o.windows(g.windows);
     std::vector<offgraph::LayerSpec> specs;
-    for (int64_t l = 0; l < g.n_caches; ++l) {
-      specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-      if (windows[l] > 0 && windows[l] < chunk) chunk = windows[l];  // a ring holds w + chunk - 1
-    }
-    if (chunk < info.max_seq_len)
-      std::fprintf(stderr, "[cache] prefill chunk %lld -> %lld (narrowest ring window)\n",
-                   static_cast<long long>(info.max_seq_len), static_cast<long long>(chunk));
+    for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
     cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
-                                                       o.kv_initial_capacity, o.kv_dtype(info.activation_dtype));
+                                                       o.kv_initial(), o.kv_dtype(info.activation_dtype));
     prog.set_position_limit(o.kv_max_capacity);
   } else {
     if (info.offgraph)
