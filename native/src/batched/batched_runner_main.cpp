@@ -52,8 +52,7 @@ void print_help() {
       "  --tokenizer PATH            HF tokenizer.json (required unless --ids)\n"
       "  --ids                       the prompts are comma-separated token ids, used as they are\n"
       "                              (no template, no BOS) (default: off)\n"
-      "  --chat NAME                 chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n"
-      "                              with BOS) (default: %s)\n"
+      "%s"
       "  --max-new-tokens N          generation budget per session (default: %lld)\n"
       "  --max-session-tokens N      KV positions per session, at most the program's max context;\n"
       "                              0 = the program's max context (default: %lld)\n"
@@ -93,7 +92,7 @@ void print_help() {
       "decode ms/token), the round-to-round parity of the outputs, and the engine ('ENGINE_JSON:\n"
       "{...}': wall time, forwards, decode tok/s over all sessions, peak sessions). Exit code 0\n"
       "when every generation succeeded, 1 on errors or a failed generation, 2 on bad usage.\n",
-      d.chat.c_str(), static_cast<long long>(d.max_new_tokens), static_cast<long long>(d.max_session_tokens),
+      cli::chat_help(30).c_str(), static_cast<long long>(d.max_new_tokens), static_cast<long long>(d.max_session_tokens),
       static_cast<long long>(d.max_decode_sequences), d.cache_kind.c_str(),
       static_cast<long long>(d.kv_initial_capacity), d.temperature, d.top_p, static_cast<long long>(d.top_k),
       static_cast<long long>(d.seed), static_cast<long long>(d.prefix_cache_entries),
@@ -145,7 +144,7 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (o.prefix_cache_entries < 0) throw UsageError("--prefix-cache-entries must be >= 0 (0 = off)");
   if (o.prompt_rounds < 1) throw UsageError("--prompt-rounds must be >= 1");
   o.check_threads();
-  try {
+  if (!o.chat.empty()) try {
     chat_template(o.chat);
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--chat: ") + e.what());
@@ -252,8 +251,8 @@ void emit(std::ofstream* f, const char* tag, const json& j) {
   if (f) *f << line << "\n";
 }
 
-int run(const Options& o) {
-  const ChatTemplate tpl = chat_template(o.chat);
+int run(const Options& given) {
+  Options o = given;
   const int threads = cli::set_threads(o.threads);
   auto t0 = Clock::now();
   cli::verify_program(o);
@@ -267,6 +266,8 @@ int run(const Options& o) {
   if (max_session > info.max_context_len)
     throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +
                      std::to_string(info.max_context_len) + " (get_max_context_len)");
+  o.chat = cli::resolve_chat(o.chat, info.chat_template);  // with --ids only its turn end (a stop token)
+  const ChatTemplate tpl = chat_template(o.chat);
   std::unique_ptr<Tokenizer> tok;
   if (!o.tokenizer.empty()) {
     tok = Tokenizer::from_file(o.tokenizer);
@@ -318,11 +319,11 @@ int run(const Options& o) {
                static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), load_ms, threads);
   std::fprintf(stderr, "%s\n", engine.describe().c_str());
   std::fprintf(stderr,
-               "[scheduler] decode-first | %lld rows per forward | %s | max %lld sessions, %lld tokens each | "
+               "[scheduler] decode-first | %lld rows per forward | %s (logits '%s') | max %lld sessions, %lld tokens each | "
                "prefix cache %lld entries\n",
                static_cast<long long>(chunk),
-               engine.full_logits() ? "decode rows of several sessions share a forward (logits 'full')"
-                                    : "one decode row per forward, prompt pieces ride along (logits 'last')",
+               engine.full_logits() ? "decode rows of several sessions share a forward" : "one decode row per forward, prompt pieces ride along",
+               logits_mode_name(info.logits_mode),
                static_cast<long long>(o.max_decode_sequences), static_cast<long long>(max_session),
                static_cast<long long>(o.prefix_cache_entries));
 

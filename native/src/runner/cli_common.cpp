@@ -8,6 +8,8 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/offgraph_cache.h"
+#include "runtime/chat_template.h"
+#include "runtime/llm_program.h"
 #include "runtime/pte_check.h"
 
 // The wheel ships the thread pool library but not its header; these two
@@ -153,6 +155,31 @@ std::vector<int64_t> CommonOptions::windows(std::vector<int64_t> program_windows
 
 int CommonOptions::kv_dtype(int64_t activation_dtype) const {
   return kv_storage_dtype.empty() ? static_cast<int>(activation_dtype) : offgraph::parse_dtype(kv_storage_dtype);
+}
+
+std::string resolve_chat(const std::string& flag, const std::string& program_template) {
+  if (!flag.empty()) return flag;
+  if (program_template.empty()) {
+    std::fprintf(stderr, "[chat] the program records no chat template (get_chat_template: built before it, or no "
+                         "--pte): raw text; --chat NAME picks one\n");
+    return "0";
+  }
+  try {
+    chat_template(program_template);
+  } catch (const std::invalid_argument& e) {
+    throw ProgramError(std::string("constant method 'get_chat_template': ") + e.what());
+  }
+  std::fprintf(stderr, "[chat] %s (the program's get_chat_template; --chat overrides)\n", program_template.c_str());
+  return program_template;
+}
+
+std::string chat_help(int width) {
+  const std::string pad(width, ' ');
+  std::string flag = "  --chat NAME";
+  flag += std::string(width - flag.size(), ' ');
+  return flag + "chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n" + pad +
+         "with BOS) (default: the template the program records in\n" + pad +
+         "get_chat_template; raw text for a program without it)\n";
 }
 
 std::string verify_pte_help(int width) {

@@ -62,7 +62,8 @@ constexpr int64_t kKvInitialDefault = -1;
 // The flags both runners take: the same names, defaults and messages. Each runner's Options derives
 // from it and reads its own flags after parse() declined them.
 struct CommonOptions {
-  std::string pte, tokenizer, chat = "0", stats_json;
+  std::string pte, tokenizer, stats_json;
+  std::string chat;  // empty = the program's get_chat_template, else raw text ("0")
   int64_t max_new_tokens = 50;
   double temperature = 0.0;
   double top_p = 1.0;
@@ -95,6 +96,14 @@ struct CommonOptions {
   // The K/V storage dtype code: --kv-storage-dtype, else the program's activation dtype.
   int kv_dtype(int64_t activation_dtype) const;
 };
+
+// The chat template a run uses: --chat if given, else the one the program records (get_chat_template), else
+// raw text ("0") with a note on stderr (a program built before get_chat_template). `program_template` is
+// ProgramInfo::chat_template; an unknown recorded name is a ProgramError naming the method.
+std::string resolve_chat(const std::string& flag, const std::string& program_template);
+
+// The help line of --chat, the same in both runners; `width` is the column of the descriptions.
+std::string chat_help(int width);
 
 // The help line of --verify-pte, the same in both runners; `width` is the column of the descriptions.
 std::string verify_pte_help(int width);

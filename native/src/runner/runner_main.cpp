@@ -48,14 +48,17 @@ void check_vocab(const Tokenizer& tok, const ProgramInfo& info) {
 }
 
 int run_encode(const Options& o) {
-  ChatTemplate tpl = chat_template(o.chat);
+  if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   auto tok = Tokenizer::from_file(o.tokenizer);
   int64_t bos = -1;
+  std::string program_template;
   if (!o.pte.empty()) {
     cli::verify_program(o);
     LlmProgram prog(o.pte);
     bos = prog.info().bos_id;
+    program_template = prog.info().chat_template;
   }
+  ChatTemplate tpl = chat_template(cli::resolve_chat(o.chat, program_template));
   std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true, bos);
   std::string line;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -66,9 +69,10 @@ int run_encode(const Options& o) {
   return 0;
 }
 
-int run(const Options& o) {
-  if (o.encode) return run_encode(o);
-  ChatTemplate tpl = chat_template(o.chat);  // validate before the slow parts
+int run(const Options& given) {
+  if (given.encode) return run_encode(given);
+  Options o = given;
+  if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   cli::set_threads(o.threads);
   LoadInfo li;
   cli::verify_program(o);  // before the load: a damaged file never reaches ExecuTorch
@@ -83,6 +87,8 @@ int run(const Options& o) {
     li.tokenizer_ms = ms_since(tt);
     check_vocab(*tok, info);
   }
+  o.chat = cli::resolve_chat(o.chat, info.chat_template);
+  const ChatTemplate tpl = chat_template(o.chat);
   li.rss_load = rss_mib();
   li.threads = cli::thread_count();
 

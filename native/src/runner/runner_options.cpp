@@ -25,8 +25,7 @@ void print_help() {
       "  --tokenizer PATH      HF tokenizer.json (required unless --prompt-ids)\n"
       "  --prompt TEXT         user prompt (the chat template is applied)\n"
       "  --prompt-ids LIST     comma-separated token ids, used as they are (no template, no BOS)\n"
-      "  --chat NAME           chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n"
-      "                        with BOS) (default: %s)\n"
+      "%s"
       "  --max-new-tokens N    generation budget per turn (default: %lld)\n"
       "  --temperature T       0 = greedy argmax (default: %g)\n"
       "  --top-p P             nucleus sampling, 1 = off (default: %g)\n"
@@ -62,7 +61,7 @@ void print_help() {
       "Output: the generated text streams to stdout; the report goes to stderr and ends with\n"
       "a line 'STATS_JSON: {...}' (prompt_ids, generated_ids incl. a final stop token, text,\n"
       "timings, memory). Exit code 0 on success, 1 on errors, 2 on bad usage.\n",
-      d.chat.c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
+      cli::chat_help(24).c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
       static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
       static_cast<long long>(d.kv_initial_capacity), cli::verify_pte_help(24).c_str());

@@ -5,6 +5,7 @@ Each module declares:
     RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
     RINGS: bool            -- sliding layers hold window + chunk - 1 slots instead of the whole context
     KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
+    LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
     wrap(model, context, logits_mode, chunk) -> the runner-layout module (tokens, positions) -> logits
     constant_methods(text_config, context, chunk) -> the constant methods the mode adds to the .pte
 """

@@ -30,6 +30,7 @@ FLAGS_WHY = "one fused op updates the in-graph cache and attends: both flags"
 RUNTIME_OWNED = False     # the cache is in the program
 RINGS = True              # sliding layers hold window + chunk - 1 slots
 KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out: native/'s kernel library
+LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
@@ -120,8 +121,9 @@ class CustomCacheLM(HookedAttentionLM):
                               persistent=False)
             self.slots.append(slots)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self._logits(tokens, positions)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._logits(tokens, positions, rows)
 
     def cache_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(("k_cache", "v_cache")))

@@ -10,6 +10,7 @@ FLAGS_WHY = "the custom ops are the custom mode's (one fused op over an in-graph
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
 RINGS = False             # sliding layers keep the whole context
 KERNELS: tuple[str, ...] = ()
+LOGITS_MODES = ("full", "last")  # HF logits_to_keep over a StaticCache: no rows input
 
 
 class StaticCacheLM(nn.Module):
