@@ -268,7 +268,7 @@ def test_reference_spellings_windows_and_default_capacity(batched_bins, og_progr
     dashed = ["--cache-kind", "batched-cell", "--max-session-tokens", 64, "--max-decode-sequences", 2,
               "--prefix-cache-entries", 2, "--prompt-rounds", 2, "--max-new-tokens", 6, "--kv-windows", "4,0",
               "--kv-initial-capacity", -1, "--ignore-eos"]
-    under = [a.replace("-", "_") if isinstance(a, str) and a.startswith("--") else a for a in dashed]
+    under = ["--" + a[2:].replace("-", "_") if isinstance(a, str) and a.startswith("--") else a for a in dashed]
     under[under.index("--ignore_eos")] = "--ignore-eos"  # both spellings in one command line
     _, g1, e1 = batched(batched_bins, og_programs / "og_gemma3.pte", prompts, *dashed)
     _, g2, e2 = batched(batched_bins, og_programs / "og_gemma3.pte", prompts, *under)
@@ -369,3 +369,22 @@ def test_verify_runs_the_batched_check_when_the_recipe_asks():
     assert b["parity"] and b["sessions"] == len(m["config"]["verify"]["prompts"]) + 1  # and the long prompt
     assert b["equal"] == [True] * b["sessions"]
     assert b["rows_per_forward"] > 1  # the sessions shared forwards
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemma3_reference_batched_prefix_check_verbatim(kind, gemma3_offgraph, batched_bins):
+    """The reference's batched prefix check with its own (underscore) flags, on gemma-3-270m off-graph: the same
+    prompt twice for two rounds gives four identical outputs; cached prompt tokens are 0 in round 0 and
+    prompt - 1 in round 1."""
+    m, prompt = gemma3_offgraph, "What is the capital of France?"
+    proc = run_batched(batched_bins, "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--cache_kind", kind,
+                       "--max_session_tokens", 512, "--max_decode_sequences", 4, "--prefix_cache_entries", 8,
+                       "--prompt_rounds", 2, "--max_new_tokens", 32, prompt, prompt, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gens, engine = reports(proc)
+    n = gens[0]["prompt_tokens"]
+    assert [g["cached_tokens"] for g in gens] == [0, 0, n - 1, n - 1]
+    assert all(g["generated_ids"] == gens[0]["generated_ids"] for g in gens) and len(gens) == 4
+    assert engine["cache_kind"] == kind and all(p["identical"] for p in engine["parity"])

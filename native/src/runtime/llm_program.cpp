@@ -415,11 +415,14 @@ void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vecto
   executorch::extension::TensorPtr t_rows;
   const bool selected = info_.forward_inputs == 3;  // the program computes just these rows, in this order
   if (selected) {
-    if (rows.empty() || rows.size() > rows_buf_.size())
-      throw ProgramError("a 'selected' forward needs 1.." + std::to_string(rows_buf_.size()) + " rows, got " +
+    if (rows.size() > rows_buf_.size())
+      throw ProgramError("a 'selected' forward takes at most " + std::to_string(rows_buf_.size()) + " rows, got " +
                          std::to_string(rows.size()));
-    std::copy(rows.begin(), rows.end(), rows_buf_.begin());
-    t_rows = from_blob(rows_buf_.data(), {static_cast<int>(rows.size())}, ScalarType::Long);
+    // a step that needs no logits (prompt pieces only) still asks one row: the input cannot be empty
+    const size_t r = std::max<size_t>(rows.size(), 1);
+    if (rows.empty()) rows_buf_[0] = n - 1;
+    else std::copy(rows.begin(), rows.end(), rows_buf_.begin());
+    t_rows = from_blob(rows_buf_.data(), {static_cast<int>(r)}, ScalarType::Long);
     inputs.emplace_back(*t_rows);
   }
   auto r = module_->execute("forward", inputs);
@@ -436,7 +439,7 @@ void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vecto
                        " but get_vocab_size says " + std::to_string(info_.vocab_size));
   const int64_t out_rows = out.numel() / V;
   dst->resize(rows.size() * V);
-  if (selected && out_rows != static_cast<int64_t>(rows.size()))
+  if (selected && out_rows != std::max<int64_t>(static_cast<int64_t>(rows.size()), 1))
     throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for " +
                        std::to_string(rows.size()) + " selected rows");
   for (size_t k = 0; k < rows.size(); ++k) {
