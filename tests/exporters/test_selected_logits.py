@@ -33,24 +33,32 @@ def test_selected_build_verifies_and_records_its_mode(selected_build):
 
 
 def test_selected_program_returns_the_rows_asked(selected_build):
-    """Rows [0, 3, 5] of a 6-token step, in the order asked, equal the eager wrapper's rows of the same step."""
+    """Rows [5, 0, 3] of a 6-token step come back in the order asked: the program's own rows of the same step
+    asked all at once (bit for bit), and the eager wrapper's (XNNPACK's fp32 differs from eager by ~1e-3, as
+    verify measures)."""
     from pipeline.model.cache_modes.offgraph import OffgraphLM
+    from pipeline.model.offgraph_cache import run_step
     from pipeline.runtimes import RUNTIMES
     from pipeline.runtimes.base import RunnerProgram
     m = selected_build
     prog = RunnerProgram(RUNTIMES["executorch"], m["pte"], kernels=("llmpipe",))
     assert prog.selected
     tokens, positions = torch.tensor([[1, 17, 33, 5, 90, 64]]), torch.arange(6)
+
+    def step(rows):
+        prog.reset()
+        return run_step(prog.cache, positions, lambda: prog.program.execute([tokens, positions, rows])[0]).clone()
     rows = torch.tensor([5, 0, 3])
-    from pipeline.model.offgraph_cache import run_step
-    got = run_step(prog.cache, positions, lambda: prog.program.execute([tokens, positions, rows])[0])
-    assert tuple(got.shape) == (1, 3, 512)
+    got, every = step(rows), step(torch.arange(6))
+    assert tuple(got.shape) == (1, 3, 512) and tuple(every.shape) == (1, 6, 512)
+    assert torch.equal(got, every[:, rows])
     (quantize,) = [s["path"] for s in m["stages"] if s["name"] == "quantize"]
     wrapped = torch.load(Path(quantize) / "module.pt", weights_only=False)  # the module that was exported
     assert isinstance(wrapped, OffgraphLM)
     with torch.no_grad():
-        full = wrapped(tokens, positions, torch.arange(6))
-    assert torch.allclose(got, full[:, rows], atol=1e-4), (got - full[:, rows]).abs().max()
+        eager = wrapped(tokens, positions, rows)
+    assert tuple(eager.shape) == (1, 3, 512)
+    assert torch.allclose(got, eager, atol=5e-3), (got - eager).abs().max()
 
 
 def test_batched_runner_shares_decode_forwards_on_selected(selected_build):
