@@ -1,14 +1,16 @@
 """Aggregate decode tok/s of llm_batched_runner with 4 sessions against 4 sequential llm_runner runs.
 
     python bench/batched.py                                   # the tiny Gemma 3 with logits 'full'
+    python bench/batched.py --tiny og_llama_selected          # another tiny program (offgraph_tiny_export.py)
     python bench/batched.py --pte outputs/.../program.pte --rounds 5 --prompt-tokens 64 --new-tokens 64
 
 The same 4 prompts (distinct token ids, no tokenizer needed) go once through one batched run (4 sessions
 at once, decode-first scheduler) and once through 4 single-session llm_runner runs, alternating, for
 --rounds rounds. Batched decode tok/s is the engine's (decode tokens over the forward time spent on
 decode rows); sequential is the 4 runs' decode tokens over their decode time. The ratio is the point:
-with logits 'full' the decode rows of the 4 sessions share one forward; a 'last' program (every real
-recipe today) has one logits row per forward, so its decode cannot be shared and the ratio stays near 1.
+with logits 'full' or 'selected' the decode rows of the 4 sessions share one forward ('selected' computes
+the logits of those rows only); a 'last' program has one logits row per forward, so its decode cannot be
+shared and the ratio stays near 1.
 Without --pte the tiny off-graph programs are exported once (tests/native/offgraph_tiny_export.py) into
 outputs/bench/batched_programs/. Prints medians and writes outputs/bench/batched.json.
 """
@@ -27,7 +29,7 @@ TINY_DIR = ROOT / "outputs" / "bench" / "batched_programs"
 
 
 def tiny_program(name: str) -> Path:
-    if not (TINY_DIR / "done").exists():
+    if not (TINY_DIR / f"{name}.pte").exists():
         print(f"exporting the tiny off-graph programs to {TINY_DIR} ...", flush=True)
         subprocess.run([sys.executable, str(ROOT / "tests" / "native" / "offgraph_tiny_export.py"), str(TINY_DIR)],
                        check=True)
@@ -79,6 +81,8 @@ def sequential_once(bin_: Path, pte: Path, ps: list[list[int]], new: int, capaci
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pte", type=Path, help="an off-graph program (default: the tiny Gemma 3, logits 'full')")
+    ap.add_argument("--tiny", default="og_gemma3_full", help="without --pte: which tiny off-graph program "
+                    "(og_gemma3, og_gemma3_full, og_gemma3_selected, og_llama, og_llama_full, og_llama_selected)")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -90,7 +94,7 @@ def main() -> None:
     batched_bin = native.BUILD_DIR / "llm_batched_runner"
     if not batched_bin.exists():
         native.build_native(force=True)
-    pte = a.pte or tiny_program("og_gemma3_full")
+    pte = a.pte or tiny_program(a.tiny)
     ps = prompts(a.sessions, a.prompt_tokens)
     capacity = a.prompt_tokens + a.new_tokens + 1
     runs = {"batched": [], "batched, one session at a time": [], "sequential llm_runner": []}

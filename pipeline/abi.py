@@ -35,11 +35,18 @@ LOGITS_MODE = "get_logits_to_keep_mode"
 BOS_ID = "get_bos_id"
 EOS_IDS = "get_eos_ids"
 RECIPE_HASH = "get_recipe_hash"
+CHAT_TEMPLATE = "get_chat_template"      # the model's chat template by name (the runners' --chat default)
+
+# the C++ runners' chat templates (native/src/runtime/chat_template.cpp) and the special token that tells each
+# apart in an HF chat template; "0" = raw text (no template)
+CHAT_TEMPLATE_MARKERS = {"gemma4": "<|turn>", "gemma": "<start_of_turn>", "llama3": "<|start_header_id|>",
+                         "chatml": "<|im_start|>"}
+RAW_CHAT = "0"
 
 
 def constant_methods(*, context: int, chunk: int, vocab: int, dtype: str, logits_mode: str, bos: int,
-                     eos: list[int], build_hash: str) -> dict:
-    """The constant methods every runner-layout program carries."""
+                     eos: list[int], build_hash: str, chat: str = RAW_CHAT) -> dict:
+    """The constant methods every runner-layout program carries (`chat`: chat_template_name's answer)."""
     return {
         MAX_CONTEXT_LEN: int(context),
         MAX_SEQ_LEN: int(chunk),
@@ -49,7 +56,21 @@ def constant_methods(*, context: int, chunk: int, vocab: int, dtype: str, logits
         BOS_ID: int(bos),
         EOS_IDS: [int(i) for i in eos],
         RECIPE_HASH: build_hash,
+        CHAT_TEMPLATE: chat,
     }
+
+
+def chat_template_name(model_dir) -> str:
+    """Which of the runners' chat templates the model's HF chat template is (told apart by its turn tokens),
+    RAW_CHAT when it has none or one the runners do not know."""
+    from transformers import AutoTokenizer
+    template = AutoTokenizer.from_pretrained(model_dir).chat_template or ""
+    if isinstance(template, dict):  # named templates: the default one
+        template = template.get("default") or next(iter(template.values()), "")
+    for name, marker in CHAT_TEMPLATE_MARKERS.items():
+        if marker in template:
+            return name
+    return RAW_CHAT
 
 
 def special_ids(model_dir) -> tuple[int, list[int]]:

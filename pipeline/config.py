@@ -53,8 +53,9 @@ class CacheMode(str, Enum):
 
 
 class LogitsMode(str, Enum):
-    full = "full"
-    last = "last"
+    full = "full"            # every row's logits [1, T, V]
+    last = "last"            # the last row's [1, 1, V]
+    selected = "selected"    # forward takes a third input rows Long[R]: [1, R, V] (the batched runner's mode)
 
 
 class Exporter(str, Enum):

@@ -162,7 +162,8 @@ def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *,
     runner_path()
     with tempfile.TemporaryDirectory(prefix="llm_batched_") as tmp:
         stats_path = Path(tmp) / "stats.jsonl"
-        args = [str(BATCHED_RUNNER), "--pte", str(pte), "--ids", "--max-new-tokens", str(int(max_new_tokens)),
+        # --chat 0: raw ids and the program's EOS ids only, as run() (the program's template would add its turn end)
+        args = [str(BATCHED_RUNNER), "--pte", str(pte), "--ids", "--chat", "0", "--max-new-tokens", str(int(max_new_tokens)),
                 "--stats-json", str(stats_path), "--quiet", *extra_args]
         args += [",".join(str(int(i)) for i in ids) for ids in prompts_ids]
         proc = _call(args, timeout)
@@ -178,11 +179,11 @@ def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *,
 
 def kv_args(policy, batched: bool = False) -> list[str]:
     """The runners' flags for a runtime-owned cache policy (pipeline.runtimes.CachePolicy); llm_batched_runner
-    sizes each session instead, and keeps the program's windows."""
+    sizes each session instead."""
     from pipeline.abi import DTYPE_NAMES
     args = ["--max-session-tokens" if batched else "--kv-max-capacity", str(policy.capacity),
             "--kv-initial-capacity", str(policy.initial_capacity)]
-    if policy.windows is not None and not batched:
+    if policy.windows is not None:
         args += ["--kv-windows", ",".join(str(w) for w in policy.windows)]
     if policy.kv_dtype is not None:
         args += ["--kv-storage-dtype", DTYPE_NAMES[policy.kv_dtype]]

@@ -38,13 +38,19 @@ def geometry_problems(cfg, g) -> list:
 
 # --- export ---------------------------------------------------------------------------------------------------
 
-def export_program(module, chunk: int, strict: bool = True):
+def export_program(module, chunk: int, strict: bool = True, logits_mode: str = "last"):
+    """forward(tokens Long[1, T], positions Long[T]) with 1 <= T <= chunk; logits mode `selected` adds
+    rows Long[R], 1 <= R <= chunk (the rows whose logits come back)."""
     t = min(2, chunk)
     example = (torch.zeros((1, t), dtype=torch.long), torch.arange(t, dtype=torch.long))
     dynamic = None
     if chunk > 1:
         T = torch.export.Dim("T", min=1, max=chunk)
         dynamic = ({1: T}, {0: T})
+    if logits_mode == "selected":
+        example += (torch.arange(t, dtype=torch.long),)
+        if chunk > 1:
+            dynamic += ({0: torch.export.Dim("R", min=1, max=chunk)},)
     with torch.no_grad():
         return torch.export.export(module, example, dynamic_shapes=dynamic, strict=strict)
 
@@ -59,7 +65,7 @@ def export(ctx) -> dict:
         fault = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
     info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
     with spinner("torch.export", ctx.progress):
-        ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict)
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
     write_via_memory(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     return {"graph_nodes": len(ep.graph.nodes), **info}
 
@@ -72,7 +78,7 @@ def runner_constants(ctx) -> dict:
     bos, eos = abi.special_ids(ctx.inputs["download"] / "model")
     return abi.constant_methods(context=e.max_context_len, chunk=e.prefill_chunk, vocab=ctx.geometry.vocab_size,
                                 dtype=v(e.dtype), logits_mode=v(e.logits_mode), bos=bos, eos=eos,
-                                build_hash=ctx.build_hash)
+                                build_hash=ctx.build_hash, chat=abi.chat_template_name(ctx.inputs["download"] / "model"))
 
 
 def constant_methods(ctx) -> dict:

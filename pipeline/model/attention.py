@@ -7,9 +7,18 @@ The C++ twin of `attend_gathered` is native/src/kernels/kv_attention.cpp (one co
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import nn
+
+
+def logits_to_keep(logits_mode: str, tokens: torch.Tensor, rows: Optional[torch.Tensor]):
+    """HF's `logits_to_keep` for a logits mode: 0 = every row (`full`), 1 = the last (`last`, and `selected`
+    called without rows), else the row indices (`selected`)."""
+    if logits_mode == "selected" and rows is not None:
+        return rows.reshape(-1)
+    return 0 if logits_mode == "full" else 1
 
 
 def check_step(op: str, q, k, v, position) -> tuple[int, int]:
@@ -129,8 +138,12 @@ class HookedAttentionLM(nn.Module):
             for c, s in zip(self._attn_configs, saved):
                 c._attn_implementation = s
 
-    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, positions: torch.Tensor,
+                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`rows` (logits mode `selected`): the rows whose logits come back, [1, R, V]; without it a `selected`
+        wrapper returns the last row, as `last` does (what a single-session caller asks)."""
         # positions go to HF explicitly and no HF cache: HF would derive them from an empty cache
+        keep = logits_to_keep(self.logits_mode, tokens, rows)
         with self._attn_impl():
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
-                              logits_to_keep=1 if self.logits_mode == "last" else 0).logits
+                              logits_to_keep=keep).logits

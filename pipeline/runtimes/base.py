@@ -68,6 +68,9 @@ class RunnerProgram:
         self.cache = None
         names = self.program.method_names
         self.chunk = abi.ints(self.program.constant(abi.MAX_SEQ_LEN))[0] if abi.MAX_SEQ_LEN in names else None
+        # logits mode `selected`: forward takes rows Long[R]; a single-session call asks for the last row
+        self.selected = abi.LOGITS_MODE in names and \
+            abi.ints(self.program.constant(abi.LOGITS_MODE))[0] == abi.LOGITS_MODE_CODES["selected"]
         if "get_n_caches" in names:
             policy = policy or CachePolicy()
             specs, ctx, self.chunk, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
@@ -81,7 +84,8 @@ class RunnerProgram:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         def forward():
-            return self.program.execute([tokens, positions])[0]
+            extra = [torch.tensor([tokens.shape[1] - 1], dtype=torch.long)] if self.selected else []
+            return self.program.execute([tokens, positions, *extra])[0]
         return forward() if self.cache is None else run_step(self.cache, positions, forward)
 
     def reset(self) -> None:

@@ -67,10 +67,10 @@ def test_shared_layers_map_to_their_source_cache_and_windows_cannot_desync_them(
         assert w.layer_cache == lay.layer_cache
         assert [s.window for s in w.specs] == [pattern[i % len(pattern)] for i in range(4)]
         assert [(s.kv_heads, s.head_dim) for s in w.specs] == [(s.kv_heads, s.head_dim) for s in lay.specs]
-    consts = og.constant_methods(cfg, 64, 8)
+    consts = og.constant_methods(cfg, 64, 8, og.FLAGS[0])
     assert consts["get_n_caches"] == 4 and consts["get_n_shared_layers"] == 2
     assert consts["get_head_dims"].tolist() == [16, 16, 32, 16]
-    assert "get_n_shared_layers" not in og.constant_methods(hf_config("tiny_gemma4_keqv"), 64, 8)
+    assert "get_n_shared_layers" not in og.constant_methods(hf_config("tiny_gemma4_keqv"), 64, 8, og.FLAGS[0])
 
 
 def test_offgraph_cache_holds_one_copy_of_shared_layers():

@@ -9,6 +9,8 @@ writes into OUT_DIR:
   og_gemma3_full.pte  the same Gemma 3 with logits 'full' (every row: the batched runner packs the decode
                       steps of several sessions into one forward)
   og_llama_full.pte   the same Llama with logits 'full', XNNPACK
+  og_gemma3_selected.pte, og_llama_selected.pte  logits 'selected' (a third input, rows Long[R]: the batched
+                      runner asks one row per decoding session), XNNPACK
 Each program has no KV cache: every attention layer calls llmpipe::update_and_attend.out and the
 runtime owns the cache (constant methods get_n_caches, get_kv_heads, get_head_dims, get_windows).
 """
@@ -55,8 +57,10 @@ def make_gemma3():
 
 # name -> (model, backend, logits mode)
 MODELS = {"og_llama": (make_llama, "xnnpack", "last"), "og_gemma3": (make_gemma3, "portable", "last"),
-          "og_gemma3_full": (make_gemma3, "portable", "full"), "og_llama_full": (make_llama, "xnnpack", "full")}
-LOGITS_MODE_CODES = {"full": 0, "last": 1}
+          "og_gemma3_full": (make_gemma3, "portable", "full"), "og_llama_full": (make_llama, "xnnpack", "full"),
+          "og_gemma3_selected": (make_gemma3, "xnnpack", "selected"),
+          "og_llama_selected": (make_llama, "xnnpack", "selected")}
+LOGITS_MODE_CODES = {"full": 0, "last": 1, "selected": 2}
 
 
 def wrapped(name: str):
@@ -68,13 +72,11 @@ def wrapped(name: str):
 def export(name: str, out: Path) -> None:
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
 
+    from pipeline.exporters.native import export_program
     from pipeline.model.cache_modes import offgraph
     module = wrapped(name)
     _, backend, logits = MODELS[name]
-    T = torch.export.Dim("T", min=1, max=CHUNK)
-    with torch.no_grad():
-        ep = torch.export.export(module, (torch.tensor([[1, 2]]), torch.arange(2)),
-                                 dynamic_shapes=({1: T}, {0: T}), strict=True)
+    ep = export_program(module, CHUNK, strict=True, logits_mode=logits)  # `selected`: a third input, rows
     consts = dict(offgraph.constant_methods(module.model.config, CTX, CHUNK, offgraph.FLAGS[0]), get_max_context_len=CTX,
                   get_max_seq_len=CHUNK, get_vocab_size=VOCAB, get_activation_dtype=6,
                   get_logits_to_keep_mode=LOGITS_MODE_CODES[logits], get_bos_id=1, get_eos_ids=EOS,

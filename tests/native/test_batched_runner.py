@@ -100,7 +100,7 @@ def test_unit_binary_runs_every_case(unit_results):
 
 # -- sessions against single-session runs ---------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["og_gemma3", "og_gemma3_full", "og_llama_full"])
+@pytest.mark.parametrize("name", ["og_gemma3", "og_gemma3_full", "og_llama_full", "og_gemma3_selected"])
 def test_sessions_equal_single_session_runs(name, kind, batched_bins, og_programs, single):
     _, gens, engine = batched(batched_bins, og_programs / f"{name}.pte", PROMPTS, "--cache-kind", kind,
                               "--max-new-tokens", N_NEW, "--ignore-eos")
@@ -110,7 +110,7 @@ def test_sessions_equal_single_session_runs(name, kind, batched_bins, og_program
     assert engine["peak_sessions"] == 4 and engine["failed"] == 0 and engine["cache_kind"] == kind
     decode = 4 * (N_NEW - 1)
     assert engine["decode_tokens"] == decode and engine["prefill_tokens"] == sum(map(len, PROMPTS))
-    if name.endswith("_full"):  # decode rows of several sessions share forwards
+    if name.endswith(("_full", "_selected")):  # decode rows of several sessions share forwards
         assert engine["shared_decode_forwards"] and engine["forwards"] < decode
     else:  # logits 'last': one decode row per forward; prompt pieces ride along
         assert not engine["shared_decode_forwards"] and engine["forwards"] >= decode
@@ -260,8 +260,30 @@ def test_sampling_is_seeded_per_session(batched_bins, og_programs):
     assert all(p["identical"] for p in engine["parity"])  # round 1 samples prompt p with seed 5 + p again
 
 
+def test_reference_spellings_windows_and_default_capacity(batched_bins, og_programs, single):
+    """The reference's underscore flags are the dashed ones; --kv-initial-capacity -1 is the default; --kv-windows
+    changes the cache policy only (rows per forward stay the exported chunk, 8, over windows of 4) and gives the
+    tokens llm_runner gives with the same windows."""
+    prompts = [P30, P30[:5]]
+    dashed = ["--cache-kind", "batched-cell", "--max-session-tokens", 64, "--max-decode-sequences", 2,
+              "--prefix-cache-entries", 2, "--prompt-rounds", 2, "--max-new-tokens", 6, "--kv-windows", "4,0",
+              "--kv-initial-capacity", -1, "--ignore-eos"]
+    under = ["--" + a[2:].replace("-", "_") if isinstance(a, str) and a.startswith("--") else a for a in dashed]
+    under[under.index("--ignore_eos")] = "--ignore-eos"  # both spellings in one command line
+    _, g1, e1 = batched(batched_bins, og_programs / "og_gemma3.pte", prompts, *dashed)
+    _, g2, e2 = batched(batched_bins, og_programs / "og_gemma3.pte", prompts, *under)
+    assert tokens(g1) == tokens(g2) and [g["cached_tokens"] for g in g2] == [0, 0, 29, 4]
+    assert e2["chunk"] == 8 and e2["max_rows"] == 8 and e2["max_decode_sequences"] == 2
+    assert "2 ring(window 4)" in e2["cache_report"] and "capacity=64 per session initial=64" in e2["cache_report"]
+    ref = [single("og_gemma3", p, 6, "--kv-windows", "4,0") for p in prompts]
+    assert tokens(g2) == ref * 2
+
+
 USAGE = [
     (["--cache-kind", "paged"], "--cache-kind expects batched-sequence or batched-cell, got 'paged'"),
+    (["--cache_kind", "paged"], "--cache-kind expects batched-sequence or batched-cell, got 'paged'"),
+    (["--kv_initial_capacity", "-2"], "or -1 for the default"),
+    (["--kv_windows", "4,x"], "--kv-windows expects non-negative integers, got 'x'"),
     (["--kv-storage-dtype", "int8"], "--kv-storage-dtype expects fp32, fp16 or bf16"),
     (["--max-decode-sequences", "0"], "--max-decode-sequences must be >= 1"),
     (["--prefix-cache-entries", "-1"], "--prefix-cache-entries must be >= 0"),
@@ -297,8 +319,9 @@ def test_help_lists_every_flag(batched_bins):
     out = run_batched(batched_bins, "--help").stdout
     for flag in ("--max-session-tokens", "--max-decode-sequences", "--cache-kind", "--kv-initial-capacity",
                  "--kv-storage-dtype", "--temperature", "--top-p", "--top-k", "--seed", "--chat",
-                 "--prefix-cache-entries", "--prompt-rounds", "--out-prefix", "--stats-json", "--ids"):
+                 "--prefix-cache-entries", "--prompt-rounds", "--out-prefix", "--stats-json", "--ids", "--kv-windows"):
         assert flag in out
+    assert "also takes underscores" in out and "get_chat_template" in out
     assert "batched-sequence (one off-graph cache per session)" in out and "(default: batched-sequence)" in out
 
 
@@ -346,3 +369,22 @@ def test_verify_runs_the_batched_check_when_the_recipe_asks():
     assert b["parity"] and b["sessions"] == len(m["config"]["verify"]["prompts"]) + 1  # and the long prompt
     assert b["equal"] == [True] * b["sessions"]
     assert b["rows_per_forward"] > 1  # the sessions shared forwards
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemma3_reference_batched_prefix_check_verbatim(kind, gemma3_offgraph, batched_bins):
+    """The reference's batched prefix check with its own (underscore) flags, on gemma-3-270m off-graph: the same
+    prompt twice for two rounds gives four identical outputs; cached prompt tokens are 0 in round 0 and
+    prompt - 1 in round 1."""
+    m, prompt = gemma3_offgraph, "What is the capital of France?"
+    proc = run_batched(batched_bins, "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--cache_kind", kind,
+                       "--max_session_tokens", 512, "--max_decode_sequences", 4, "--prefix_cache_entries", 8,
+                       "--prompt_rounds", 2, "--max_new_tokens", 32, prompt, prompt, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gens, engine = reports(proc)
+    n = gens[0]["prompt_tokens"]
+    assert [g["cached_tokens"] for g in gens] == [0, 0, n - 1, n - 1]
+    assert all(g["generated_ids"] == gens[0]["generated_ids"] for g in gens) and len(gens) == 4
+    assert engine["cache_kind"] == kind and all(p["identical"] for p in engine["parity"])

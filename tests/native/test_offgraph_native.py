@@ -135,15 +135,16 @@ def test_runner_greedy_matches_python_runtime(name, native_bins, og_programs):
 
 
 def test_runner_windows_pattern_and_bf16_storage(native_bins, og_programs):
-    # --kv-windows 4,0 over 3 caches: [4, 0, 4]; the chunk drops from 8 to 4. Policy only: the
-    # Python runtime with the same cache policy gives the same tokens.
+    # --kv-windows 4,0 over 3 caches: [4, 0, 4]. Policy only: the prefill chunk stays 8 (rings of 4 + 8 - 1 = 11
+    # slots, a prefill step of 8 rows over a window of 4), and the tokens equal the Python runtime's with the same
+    # policy, which prefills in steps of 4 (rings of 7); the underscore spellings are the same flags.
     ref = python_greedy(pte_module(og_programs, "og_gemma3", capacity=64, windows=[4, 0],
                                    kv_dtype=torch.bfloat16), ote.PROMPT_IDS, ote.N_NEW)
-    proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids",
-                      ids_arg(ote.PROMPT_IDS), "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", 64,
-                      "--kv-windows", "4,0", "--kv-storage-dtype", "bf16", "--ignore-eos", "--quiet")
+    proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt_ids",
+                      ids_arg(ote.PROMPT_IDS), "--max_new_tokens", ote.N_NEW, "--kv_max_capacity", 64,
+                      "--kv_windows", "4,0", "--kv_storage_dtype", "bf16", "--ignore_eos", "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert "[cache] prefill chunk 8 -> 4 (narrowest ring window)" in proc.stderr
+    assert "prefill chunk" not in proc.stderr  # no "[cache] prefill chunk 8 -> 4" any more
     assert "[cache] off-graph seq | capacity=64 initial=64 kv_dtype=BFloat16" in proc.stderr
     assert "3 layers: 1 flat + 2 ring(window 4)\n" in proc.stderr
     assert stats(proc)["generated_ids"] == ref
@@ -173,6 +174,7 @@ def test_runner_offgraph_program_needs_capacity(native_bins, og_programs):
     (["--kv-max-capacity", "64", "--kv-storage-dtype", "int8"], "expects fp32, fp16 or bf16"),
     (["--kv-max-capacity", "64", "--kv-windows", "4,x"], "non-negative integers"),
     (["--kv-max-capacity", "-1"], "must be >= 0"),
+    (["--kv_max_capacity", "64", "--kv_initial_capacity", "-2"], "or -1 for the default (512, clamped"),
 ])
 def test_runner_kv_flag_usage_errors(args, msg, native_bins, og_programs):
     proc = run_runner(native_bins, "--pte", og_programs / "og_llama.pte", "--prompt-ids", "1,2", *args)
@@ -189,7 +191,15 @@ def test_help_lists_kv_flags(native_bins):
     out = run_runner(native_bins, "--help").stdout
     for flag in ("--kv-max-capacity", "--kv-initial-capacity", "--kv-storage-dtype", "--kv-windows"):
         assert flag in out
-    assert "(default: 512)" in out
+    assert "(default: 512)" in out and "-1 = the default" in out and "also takes underscores" in out
+
+
+def test_runner_initial_capacity_minus_one_is_the_default(native_bins, og_programs):
+    """The reference's default spelling: -1 = 512, clamped to the capacity (64 here)."""
+    proc = run_runner(native_bins, "--pte", og_programs / "og_llama.pte", "--prompt-ids", "1,2,3", "--max-new-tokens",
+                      2, "--kv-max-capacity", 64, "--kv-initial-capacity", -1, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "[cache] off-graph seq | capacity=64 initial=64 kv_dtype=Float" in proc.stderr
 
 
 class _OneOp(torch.nn.Module):

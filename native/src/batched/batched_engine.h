@@ -7,7 +7,8 @@
 // Scheduler (decode first). Every engine step is ONE forward of at most `chunk` rows, made of row
 // groups of different sessions (bound to the kernel as an offgraph::BatchStep, so each group writes
 // to and attends over its own cache; the positions input carries each row's own position):
-//   - logits mode `full` (the program returns every row): one row for each decoding session, least
+//   - logits mode `full` (the program returns every row) or `selected` (it returns the rows asked: one per
+//     decoding session and per prompt that ends in the step): one row for each decoding session, least
 //     recently served first (at most chunk - 1 while a prompt is waiting, so prefill always moves),
 //     then prompt pieces of the prefilling sessions in admission order fill the rows left; each
 //     decode row and each piece that ends its prompt gets its logits row.
@@ -78,7 +79,7 @@ struct EngineStats {
 
 class Engine {
  public:
-  // chunk: rows per forward (<= the program's max_seq_len and the narrowest ring window).
+  // chunk: rows per forward (<= the program's max_seq_len; a ring holds window + chunk - 1 slots).
   Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int64_t chunk, EngineOptions opts,
          std::unordered_set<int64_t> stops);
   ~Engine();
@@ -87,6 +88,7 @@ class Engine {
   std::vector<Generation> run(const std::vector<Request>& requests, EngineStats* stats);
 
   const PrefixCache& prefix_cache() const { return prefix_; }
+  // Decode rows of several sessions share a forward (logits mode `full` or `selected`).
   bool full_logits() const { return full_; }
   int64_t chunk() const { return chunk_; }
   // The cache report ("[cache] ..." lines).

@@ -52,8 +52,7 @@ void print_help() {
       "  --tokenizer PATH            HF tokenizer.json (required unless --ids)\n"
       "  --ids                       the prompts are comma-separated token ids, used as they are\n"
       "                              (no template, no BOS) (default: off)\n"
-      "  --chat NAME                 chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n"
-      "                              with BOS) (default: %s)\n"
+      "%s"
       "  --max-new-tokens N          generation budget per session (default: %lld)\n"
       "  --max-session-tokens N      KV positions per session, at most the program's max context;\n"
       "                              0 = the program's max context (default: %lld)\n"
@@ -62,8 +61,12 @@ void print_help() {
       "                              batched-cell (one pool of cells shared by the sessions)\n"
       "                              (default: %s)\n"
       "  --kv-initial-capacity N     positions first allocated per flat layer (per session, or\n"
-      "                              cells of the pool); doubles on demand (default: %lld)\n"
+      "                              cells of the pool); doubles on demand; -1 = the default\n"
+      "                              (clamped to the session) (default: %lld)\n"
       "  --kv-storage-dtype T        fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
+      "  --kv-windows LIST           comma list of windows repeated over the caches, 0 = flat\n"
+      "                              (full attention), e.g. 512,0; the rows per forward stay the\n"
+      "                              exported chunk (default: the program's get_windows)\n"
       "  --temperature T             0 = greedy argmax (default: %g)\n"
       "  --top-p P                   nucleus sampling, 1 = off (default: %g)\n"
       "  --top-k K                   top-k sampling, 0 = off (default: %lld)\n"
@@ -81,12 +84,15 @@ void print_help() {
       "%s"
       "  --help                      this text\n"
       "\n"
+      "Every flag also takes underscores, as the reference spells them: --max_new_tokens,\n"
+      "--cache_kind, --max_session_tokens, --prefix_cache_entries, --prompt_rounds, ...\n"
+      "\n"
       "Output: each generation's text goes to stdout; the reports go to stderr: one line per\n"
       "generation ('GEN_JSON: {...}': prompt / cached / generated tokens, time to first token,\n"
       "decode ms/token), the round-to-round parity of the outputs, and the engine ('ENGINE_JSON:\n"
       "{...}': wall time, forwards, decode tok/s over all sessions, peak sessions). Exit code 0\n"
       "when every generation succeeded, 1 on errors or a failed generation, 2 on bad usage.\n",
-      d.chat.c_str(), static_cast<long long>(d.max_new_tokens), static_cast<long long>(d.max_session_tokens),
+      cli::chat_help(30).c_str(), static_cast<long long>(d.max_new_tokens), static_cast<long long>(d.max_session_tokens),
       static_cast<long long>(d.max_decode_sequences), d.cache_kind.c_str(),
       static_cast<long long>(d.kv_initial_capacity), d.temperature, d.top_p, static_cast<long long>(d.top_k),
       static_cast<long long>(d.seed), static_cast<long long>(d.prefix_cache_entries),
@@ -138,7 +144,7 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (o.prefix_cache_entries < 0) throw UsageError("--prefix-cache-entries must be >= 0 (0 = off)");
   if (o.prompt_rounds < 1) throw UsageError("--prompt-rounds must be >= 1");
   o.check_threads();
-  try {
+  if (!o.chat.empty()) try {
     chat_template(o.chat);
   } catch (const std::invalid_argument& e) {
     throw UsageError(std::string("--chat: ") + e.what());
@@ -245,8 +251,8 @@ void emit(std::ofstream* f, const char* tag, const json& j) {
   if (f) *f << line << "\n";
 }
 
-int run(const Options& o) {
-  const ChatTemplate tpl = chat_template(o.chat);
+int run(const Options& given) {
+  Options o = given;
   const int threads = cli::set_threads(o.threads);
   auto t0 = Clock::now();
   cli::verify_program(o);
@@ -260,6 +266,8 @@ int run(const Options& o) {
   if (max_session > info.max_context_len)
     throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +
                      std::to_string(info.max_context_len) + " (get_max_context_len)");
+  o.chat = cli::resolve_chat(o.chat, info.chat_template);  // with --ids only its turn end (a stop token)
+  const ChatTemplate tpl = chat_template(o.chat);
   std::unique_ptr<Tokenizer> tok;
   if (!o.tokenizer.empty()) {
     tok = Tokenizer::from_file(o.tokenizer);
@@ -277,20 +285,19 @@ int run(const Options& o) {
     prompts.push_back(std::move(ids));
   }
 
-  // the caches: the program's geometry; a ring holds window + chunk - 1 slots
+  // the caches: the program's geometry, the windows of --kv-windows if given; the rows per forward stay the
+  // exported chunk whatever the windows (a ring holds window + chunk - 1 slots)
   LlmProgram::CacheGeometry g = prog.cache_geometry();
+  const std::vector<int64_t> windows = o.windows(g.windows);
   std::vector<offgraph::LayerSpec> specs;
-  int64_t chunk = info.max_seq_len;
-  for (int64_t l = 0; l < g.n_caches; ++l) {
-    specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], g.windows[l]});
-    if (g.windows[l] > 0 && g.windows[l] < chunk) chunk = g.windows[l];
-  }
+  const int64_t chunk = info.max_seq_len;
+  for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
   EngineOptions eo;
   eo.cache_kind = o.cache_kind == "batched-cell" ? CacheKind::cell : CacheKind::sequence;
   eo.max_session_tokens = max_session;
   eo.max_decode_sequences = o.max_decode_sequences;
   eo.max_new_tokens = o.max_new_tokens;
-  eo.kv_initial_capacity = o.kv_initial_capacity;
+  eo.kv_initial_capacity = o.kv_initial();
   eo.kv_dtype = o.kv_dtype(info.activation_dtype);
   eo.temperature = o.temperature;
   eo.top_p = o.top_p;
@@ -312,11 +319,11 @@ int run(const Options& o) {
                static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), load_ms, threads);
   std::fprintf(stderr, "%s\n", engine.describe().c_str());
   std::fprintf(stderr,
-               "[scheduler] decode-first | %lld rows per forward | %s | max %lld sessions, %lld tokens each | "
+               "[scheduler] decode-first | %lld rows per forward | %s (logits '%s') | max %lld sessions, %lld tokens each | "
                "prefix cache %lld entries\n",
                static_cast<long long>(chunk),
-               engine.full_logits() ? "decode rows of several sessions share a forward (logits 'full')"
-                                    : "one decode row per forward, prompt pieces ride along (logits 'last')",
+               engine.full_logits() ? "decode rows of several sessions share a forward" : "one decode row per forward, prompt pieces ride along",
+               logits_mode_name(info.logits_mode),
                static_cast<long long>(o.max_decode_sequences), static_cast<long long>(max_session),
                static_cast<long long>(o.prefix_cache_entries));
 

@@ -8,6 +8,8 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/offgraph_cache.h"
+#include "runtime/chat_template.h"
+#include "runtime/llm_program.h"
 #include "runtime/pte_check.h"
 
 // The wheel ships the thread pool library but not its header; these two
@@ -57,6 +59,9 @@ bool ArgReader::next() {
       name_ = arg_.substr(0, eq);
       has_inline_ = true;
     }
+    // both spellings: the reference documents --max_new_tokens, --cache_kind, ...; the name is read dashed
+    for (size_t k = 2; k < name_.size(); ++k)
+      if (name_[k] == '_') name_[k] = '-';
   }
   return true;
 }
@@ -90,6 +95,14 @@ bool CommonOptions::parse(ArgReader& args) {
   else if (a == "--kv-initial-capacity") {
     kv_initial_capacity = parse_int(a, args.value());
     kv_flags = true;
+  } else if (a == "--kv-windows") {
+    kv_windows = args.value();
+    kv_flags = true;
+    try {
+      offgraph::parse_windows(kv_windows);
+    } catch (const std::invalid_argument& e) {
+      throw UsageError(e.what());
+    }
   } else if (a == "--kv-storage-dtype") {
     kv_storage_dtype = args.value();
     kv_flags = true;
@@ -118,8 +131,10 @@ void CommonOptions::check_threads() const {
 }
 
 void CommonOptions::check_kv_initial_capacity() const {
-  if (kv_initial_capacity < 1)
-    throw UsageError("--kv-initial-capacity must be >= 1, got " + std::to_string(kv_initial_capacity));
+  if (kv_initial_capacity < 1 && kv_initial_capacity != kKvInitialDefault)
+    throw UsageError("--kv-initial-capacity must be >= 1, or -1 for the default (" +
+                     std::to_string(kKvInitialCapacity) + ", clamped to the capacity), got " +
+                     std::to_string(kv_initial_capacity));
 }
 
 void CommonOptions::check_kv_storage_dtype() const {
@@ -127,8 +142,44 @@ void CommonOptions::check_kv_storage_dtype() const {
     throw UsageError("--kv-storage-dtype expects fp32, fp16 or bf16, got '" + kv_storage_dtype + "'");
 }
 
+int64_t CommonOptions::kv_initial() const {
+  return kv_initial_capacity == kKvInitialDefault ? kKvInitialCapacity : kv_initial_capacity;
+}
+
+std::vector<int64_t> CommonOptions::windows(std::vector<int64_t> program_windows) const {
+  if (kv_windows.empty()) return program_windows;
+  const std::vector<int64_t> pat = offgraph::parse_windows(kv_windows);
+  for (size_t l = 0; l < program_windows.size(); ++l) program_windows[l] = pat[l % pat.size()];
+  return program_windows;
+}
+
 int CommonOptions::kv_dtype(int64_t activation_dtype) const {
   return kv_storage_dtype.empty() ? static_cast<int>(activation_dtype) : offgraph::parse_dtype(kv_storage_dtype);
+}
+
+std::string resolve_chat(const std::string& flag, const std::string& program_template) {
+  if (!flag.empty()) return flag;
+  if (program_template.empty()) {
+    std::fprintf(stderr, "[chat] the program records no chat template (get_chat_template: built before it, or no "
+                         "--pte): raw text; --chat NAME picks one\n");
+    return "0";
+  }
+  try {
+    chat_template(program_template);
+  } catch (const std::invalid_argument& e) {
+    throw ProgramError(std::string("constant method 'get_chat_template': ") + e.what());
+  }
+  std::fprintf(stderr, "[chat] %s (the program's get_chat_template; --chat overrides)\n", program_template.c_str());
+  return program_template;
+}
+
+std::string chat_help(int width) {
+  const std::string pad(width, ' ');
+  std::string flag = "  --chat NAME";
+  flag += std::string(width - flag.size(), ' ');
+  return flag + "chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n" + pad +
+         "with BOS) (default: the template the program records in\n" + pad +
+         "get_chat_template; raw text for a program without it)\n";
 }
 
 std::string verify_pte_help(int width) {

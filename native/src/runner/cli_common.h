@@ -26,7 +26,8 @@ int64_t parse_int(const std::string& flag, const std::string& v);
 double parse_double(const std::string& flag, const std::string& v);
 
 // argv one argument at a time. An argument starting with "--" is a flag, "--name value" or
-// "--name=value"; any other argument is left whole (a prompt, or "-h").
+// "--name=value"; any other argument is left whole (a prompt, or "-h"). A flag's name is read with its
+// underscores as dashes: --max_new_tokens is --max-new-tokens (the reference's spelling).
 class ArgReader {
  public:
   ArgReader(int argc, char** argv) : argc_(argc), argv_(argv) {}
@@ -53,10 +54,16 @@ class ArgReader {
   bool has_inline_ = false;
 };
 
+// --kv-initial-capacity: the reference's default, also spelled -1 (offgraph-cache.md §3: 512, clamped to the
+// capacity by the cache).
+constexpr int64_t kKvInitialCapacity = 512;
+constexpr int64_t kKvInitialDefault = -1;
+
 // The flags both runners take: the same names, defaults and messages. Each runner's Options derives
 // from it and reads its own flags after parse() declined them.
 struct CommonOptions {
-  std::string pte, tokenizer, chat = "0", stats_json;
+  std::string pte, tokenizer, stats_json;
+  std::string chat;  // empty = the program's get_chat_template, else raw text ("0")
   int64_t max_new_tokens = 50;
   double temperature = 0.0;
   double top_p = 1.0;
@@ -64,7 +71,8 @@ struct CommonOptions {
   uint64_t seed = 42;
   bool ignore_eos = false, quiet = false;
   int64_t threads = 0;
-  int64_t kv_initial_capacity = 512;
+  int64_t kv_initial_capacity = kKvInitialCapacity;  // -1 = the default
+  std::string kv_windows;        // empty = the program's get_windows
   std::string kv_storage_dtype;  // empty = the program's activation dtype
   bool kv_flags = false;         // a --kv-* flag other than --kv-max-capacity given
   std::string verify_pte;        // --verify-pte: a SHA-256 in hex, "auto" (manifest.json), empty = off
@@ -80,9 +88,22 @@ struct CommonOptions {
   void check_kv_initial_capacity() const;
   void check_kv_storage_dtype() const;  // also refuses an empty value
 
+  // --kv-initial-capacity with -1 read as the default.
+  int64_t kv_initial() const;
+  // The cache windows: the program's, or the --kv-windows pattern repeated over the caches (0 = flat).
+  std::vector<int64_t> windows(std::vector<int64_t> program_windows) const;
+
   // The K/V storage dtype code: --kv-storage-dtype, else the program's activation dtype.
   int kv_dtype(int64_t activation_dtype) const;
 };
+
+// The chat template a run uses: --chat if given, else the one the program records (get_chat_template), else
+// raw text ("0") with a note on stderr (a program built before get_chat_template). `program_template` is
+// ProgramInfo::chat_template; an unknown recorded name is a ProgramError naming the method.
+std::string resolve_chat(const std::string& flag, const std::string& program_template);
+
+// The help line of --chat, the same in both runners; `width` is the column of the descriptions.
+std::string chat_help(int width);
 
 // The help line of --verify-pte, the same in both runners; `width` is the column of the descriptions.
 std::string verify_pte_help(int width);

@@ -48,14 +48,17 @@ void check_vocab(const Tokenizer& tok, const ProgramInfo& info) {
 }
 
 int run_encode(const Options& o) {
-  ChatTemplate tpl = chat_template(o.chat);
+  if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   auto tok = Tokenizer::from_file(o.tokenizer);
   int64_t bos = -1;
+  std::string program_template;
   if (!o.pte.empty()) {
     cli::verify_program(o);
     LlmProgram prog(o.pte);
     bos = prog.info().bos_id;
+    program_template = prog.info().chat_template;
   }
+  ChatTemplate tpl = chat_template(cli::resolve_chat(o.chat, program_template));
   std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true, bos);
   std::string line;
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -66,9 +69,10 @@ int run_encode(const Options& o) {
   return 0;
 }
 
-int run(const Options& o) {
-  if (o.encode) return run_encode(o);
-  ChatTemplate tpl = chat_template(o.chat);  // validate before the slow parts
+int run(const Options& given) {
+  if (given.encode) return run_encode(given);
+  Options o = given;
+  if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   cli::set_threads(o.threads);
   LoadInfo li;
   cli::verify_program(o);  // before the load: a damaged file never reaches ExecuTorch
@@ -83,6 +87,8 @@ int run(const Options& o) {
     li.tokenizer_ms = ms_since(tt);
     check_vocab(*tok, info);
   }
+  o.chat = cli::resolve_chat(o.chat, info.chat_template);
+  const ChatTemplate tpl = chat_template(o.chat);
   li.rss_load = rss_mib();
   li.threads = cli::thread_count();
 
@@ -107,21 +113,12 @@ int run(const Options& o) {
       throw ProgramError("--kv-max-capacity selects the off-graph KV cache, but this program keeps its "
                          "cache in the graph (no constant method 'get_n_caches'); drop --kv-* flags");
     LlmProgram::CacheGeometry g = prog.cache_geometry();
-    std::vector<int64_t> windows = g.windows;
-    if (!o.kv_windows.empty()) {
-      std::vector<int64_t> pat = offgraph::parse_windows(o.kv_windows);
-      for (int64_t l = 0; l < g.n_caches; ++l) windows[l] = pat[l % pat.size()];
-    }
+    // --kv-windows changes the policy only: the prefill chunk stays as exported, a ring holds window + chunk - 1
+    const std::vector<int64_t> windows = o.windows(g.windows);
     std::vector<offgraph::LayerSpec> specs;
-    for (int64_t l = 0; l < g.n_caches; ++l) {
-      specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-      if (windows[l] > 0 && windows[l] < chunk) chunk = windows[l];  // a ring holds w + chunk - 1
-    }
-    if (chunk < info.max_seq_len)
-      std::fprintf(stderr, "[cache] prefill chunk %lld -> %lld (narrowest ring window)\n",
-                   static_cast<long long>(info.max_seq_len), static_cast<long long>(chunk));
+    for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
     cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
-                                                       o.kv_initial_capacity, o.kv_dtype(info.activation_dtype),
+                                                       o.kv_initial(), o.kv_dtype(info.activation_dtype),
                                                        g.n_shared);
     prog.set_position_limit(o.kv_max_capacity);
   } else {

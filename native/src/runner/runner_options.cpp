@@ -25,8 +25,7 @@ void print_help() {
       "  --tokenizer PATH      HF tokenizer.json (required unless --prompt-ids)\n"
       "  --prompt TEXT         user prompt (the chat template is applied)\n"
       "  --prompt-ids LIST     comma-separated token ids, used as they are (no template, no BOS)\n"
-      "  --chat NAME           chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n"
-      "                        with BOS) (default: %s)\n"
+      "%s"
       "  --max-new-tokens N    generation budget per turn (default: %lld)\n"
       "  --temperature T       0 = greedy argmax (default: %g)\n"
       "  --top-p P             nucleus sampling, 1 = off (default: %g)\n"
@@ -47,17 +46,22 @@ void print_help() {
       "                        cache.mode=offgraph; 0 = the program keeps its cache (in-graph)\n"
       "                        (default: %lld)\n"
       "  --kv-initial-capacity N  positions first allocated per flat layer; doubles on demand\n"
-      "                        up to --kv-max-capacity (default: %lld)\n"
+      "                        up to --kv-max-capacity; -1 = the default (clamped to the\n"
+      "                        capacity) (default: %lld)\n"
       "  --kv-storage-dtype T  fp32 | fp16 | bf16 (default: the program's activation dtype)\n"
       "  --kv-windows LIST     comma list of windows repeated over the caches, 0 = flat\n"
-      "                        (full attention), e.g. 512,0 (default: the program's get_windows)\n"
+      "                        (full attention), e.g. 512,0; the prefill chunk stays as exported\n"
+      "                        (default: the program's get_windows)\n"
       "%s"
       "  --help                this text\n"
+      "\n"
+      "Every flag also takes underscores, as the reference spells them: --max_new_tokens,\n"
+      "--kv_max_capacity, --kv_initial_capacity, ...\n"
       "\n"
       "Output: the generated text streams to stdout; the report goes to stderr and ends with\n"
       "a line 'STATS_JSON: {...}' (prompt_ids, generated_ids incl. a final stop token, text,\n"
       "timings, memory). Exit code 0 on success, 1 on errors, 2 on bad usage.\n",
-      d.chat.c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
+      cli::chat_help(24).c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
       static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
       static_cast<long long>(d.kv_initial_capacity), cli::verify_pte_help(24).c_str());
@@ -98,15 +102,6 @@ Options parse_args(int argc, char** argv, bool* help) {
       o.prompt_ids = args.value();
       o.has_prompt_ids = true;
     } else if (a == "--kv-max-capacity") o.kv_max_capacity = parse_int(a, args.value());
-    else if (a == "--kv-windows") {
-      o.kv_windows = args.value();
-      o.kv_flags = true;
-      try {
-        offgraph::parse_windows(o.kv_windows);
-      } catch (const std::invalid_argument& e) {
-        throw UsageError(e.what());
-      }
-    }
     else if (a == "--warmup") { args.no_value(); o.warmup = true; }
     else if (a == "--interactive") { args.no_value(); o.interactive = true; }
     else if (a == "--encode") { args.no_value(); o.encode = true; }

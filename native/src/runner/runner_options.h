@@ -16,7 +16,6 @@ struct Options : cli::CommonOptions {
   bool warmup = false, interactive = false, encode = false;
   // off-graph KV cache (programs exported with cache.mode=offgraph)
   int64_t kv_max_capacity = 0;  // 0 = in-graph program
-  std::string kv_windows;       // empty = the program's get_windows
 };
 
 // --help; the defaults it shows are read from a default Options, so they cannot drift.

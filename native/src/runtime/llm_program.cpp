@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "runtime/llm_program.h"
 
 #include <sys/stat.h>
@@ -345,6 +346,13 @@ LlmProgram::LlmProgram(const std::string& path) {
     }
   }
 
+  if (names->count("get_chat_template")) {
+    auto r = module_->execute("get_chat_template");
+    if (!r.ok() || r->size() != 1 || !(*r)[0].isString() || (*r)[0].toString().empty())
+      throw ProgramError("constant method 'get_chat_template' must return one non-empty string (a template name)");
+    info_.chat_template = std::string((*r)[0].toString());
+  }
+
   auto meta = module_->method_meta("forward");
   if (!meta.ok()) throw ProgramError("cannot read the metadata of 'forward': " + err_text(meta.error()));
   info_.forward_inputs = static_cast<int>(meta->num_inputs());
@@ -365,7 +373,7 @@ LlmProgram::LlmProgram(const std::string& path) {
     throw ProgramError("cannot load method 'forward': " + err_text(e) + load_hint(e));
   tok_buf_.resize(info_.max_seq_len);
   pos_buf_.resize(info_.max_seq_len);
-  rows_buf_.resize(1);
+  rows_buf_.resize(info_.max_seq_len);
   logits_.resize(info_.vocab_size);
 }
 
@@ -401,7 +409,7 @@ const std::vector<float>& LlmProgram::forward_rows(const int64_t* tokens, const 
     if (r < 0 || r >= n || (!all_rows_logits() && r != n - 1))
       throw ProgramError("logits of row " + std::to_string(r) + " of a " + std::to_string(n) +
                          "-row step asked from a program with logits mode '" +
-                         logits_mode_name(info_.logits_mode) + "' (only 'full' has every row)");
+                         logits_mode_name(info_.logits_mode) + "' (only 'full' and 'selected' have every row)");
   execute(n, rows, &rows_logits_);
   return rows_logits_;
 }
@@ -411,9 +419,16 @@ void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vecto
   auto t_pos = from_blob(pos_buf_.data(), {static_cast<int>(n)}, ScalarType::Long);
   std::vector<EValue> inputs{EValue(*t_tok), EValue(*t_pos)};
   executorch::extension::TensorPtr t_rows;
-  if (info_.forward_inputs == 3) {
-    rows_buf_[0] = n - 1;
-    t_rows = from_blob(rows_buf_.data(), {1}, ScalarType::Long);
+  const bool selected = info_.forward_inputs == 3;  // the program computes just these rows, in this order
+  if (selected) {
+    if (rows.size() > rows_buf_.size())
+      throw ProgramError("a 'selected' forward takes at most " + std::to_string(rows_buf_.size()) + " rows, got " +
+                         std::to_string(rows.size()));
+    // a step that needs no logits (prompt pieces only) still asks one row: the input cannot be empty
+    const size_t r = std::max<size_t>(rows.size(), 1);
+    if (rows.empty()) rows_buf_[0] = n - 1;
+    else std::copy(rows.begin(), rows.end(), rows_buf_.begin());
+    t_rows = from_blob(rows_buf_.data(), {static_cast<int>(r)}, ScalarType::Long);
     inputs.emplace_back(*t_rows);
   }
   auto r = module_->execute("forward", inputs);
@@ -430,10 +445,13 @@ void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vecto
                        " but get_vocab_size says " + std::to_string(info_.vocab_size));
   const int64_t out_rows = out.numel() / V;
   dst->resize(rows.size() * V);
+  if (selected && out_rows != std::max<int64_t>(static_cast<int64_t>(rows.size()), 1))
+    throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for " +
+                       std::to_string(rows.size()) + " selected rows");
   for (size_t k = 0; k < rows.size(); ++k) {
-    // R == n: row r is output row r; otherwise the program kept the last row only
-    const int64_t src = out_rows == n ? rows[k] : out_rows - 1;
-    if (out_rows != n && rows[k] != n - 1)
+    // selected: output row k is rows[k]; R == n: row r is output row r; otherwise the program kept the last row
+    const int64_t src = selected ? static_cast<int64_t>(k) : out_rows == n ? rows[k] : out_rows - 1;
+    if (!selected && out_rows != n && rows[k] != n - 1)
       throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for a " +
                          std::to_string(n) + "-row step; row " + std::to_string(rows[k]) + " is not among them");
     const int64_t off = src * V;

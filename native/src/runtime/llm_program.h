@@ -33,6 +33,7 @@ struct ProgramInfo {
   std::vector<int64_t> eos_ids; // get_eos_ids
   bool has_recipe_hash = false;
   std::string recipe_hash;      // get_recipe_hash, rendered as text
+  std::string chat_template;    // get_chat_template (optional): the model's template, "" if not recorded
   int forward_inputs = 2;
   bool offgraph = false;        // has get_n_caches: the KV cache lives outside the program
   std::string logits_dtype;     // of the first forward output, once seen
@@ -74,11 +75,13 @@ class LlmProgram {
 
   // A batched step: row i is token tokens[i] at position positions[i] (rows of several sessions,
   // see batched_engine.h). Returns the logits of `rows` (indices into the step, ascending),
-  // rows.size() x vocab_size floats. Only a `full` program has logits for every row; the others
-  // have row n - 1 only (asking for another row is an error).
+  // rows.size() x vocab_size floats. A `full` program has logits for every row and a `selected` one
+  // computes just the rows asked (its third input); a `last` one has row n - 1 only (asking for another
+  // row is an error).
   const std::vector<float>& forward_rows(const int64_t* tokens, const int64_t* positions, int64_t n,
                                          const std::vector<int64_t>& rows);
-  bool all_rows_logits() const { return info_.logits_mode == 0; }
+  // Any row's logits can be had in one forward (logits mode `full` or `selected`).
+  bool all_rows_logits() const { return info_.logits_mode == 0 || info_.logits_mode == 2; }
 
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);

@@ -6,6 +6,7 @@ Each module declares:
     RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
     KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
+    LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
     wrap(model, context, logits_mode, chunk, flags) -> the runner-layout module (tokens, positions) -> logits
     constant_methods(text_config, context, chunk, flags) -> the constant methods the mode adds to the .pte
 """

@@ -36,6 +36,7 @@ FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
 RUNTIME_OWNED = False     # the cache is in the program
 KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_cache.out: native/'s kernel library
+LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
@@ -188,8 +189,9 @@ class CustomCacheLM(HookedAttentionLM):
             # a plain attribute, not a submodule: the source's buffers are read, never a second copy
             m.__dict__["_kv_source"] = by_cache[layout.layer_cache[m.layer_idx]]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self._logits(tokens, positions)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._logits(tokens, positions, rows)
 
     def cache_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(("k_cache", "v_cache")))

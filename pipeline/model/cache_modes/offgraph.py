@@ -34,6 +34,7 @@ FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
+LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
@@ -174,10 +175,11 @@ class OffgraphLM(HookedAttentionLM):
                                    initial_capacity, dtype)
         self.cache.shared_layers = self.layout.n_shared
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         if _is_tracing():
-            return self._logits(tokens, positions)
-        return run_step(self.cache, positions, lambda: self._logits(tokens, positions))
+            return self._logits(tokens, positions, rows)
+        return run_step(self.cache, positions, lambda: self._logits(tokens, positions, rows))
 
     def reset(self) -> None:
         self.cache.reset()

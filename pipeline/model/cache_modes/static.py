@@ -9,6 +9,7 @@ FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the custom ops are the custom mode's (cache=custom takes either or both)"
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
 KERNELS: tuple[str, ...] = ()
+LOGITS_MODES = ("full", "last")  # HF logits_to_keep over a StaticCache: no rows input
 
 
 def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int):
