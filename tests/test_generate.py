@@ -49,6 +49,19 @@ def test_greedy_tokens_equal_the_cpp_runners(recipe, n):
     assert ours["stop_reason"] in ("eos", "max_new_tokens")
 
 
+def test_kv_windows_keep_the_exported_chunk_as_the_cpp_runner_does():
+    """--kv-windows narrower than the prefill chunk (4 < 8): rings hold window + chunk - 1 slots, the chunk stays as
+    exported in both runners, so the tokens agree."""
+    m = build("tiny_gemma3_offgraph", "verify.enabled=false")
+    ids = _prompt(m, 30)
+    session = Session(open_for_generation(Path(m["pte"]), CachePolicy(windows=[4, 0])))
+    assert session.chunk == m["config"]["export"]["prefill_chunk"]
+    ours = session.generate(ids, NEW, Sampler())
+    theirs = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=NEW,
+                        extra_args=native.cache_args(m) + ["--kv-windows", "4,0"])
+    assert ours["generated_ids"] == theirs["generated_ids"]
+
+
 @pytest.mark.parametrize("recipe", ["tiny_llama_mlx", "tiny_llama_hf_exporter"])
 def test_greedy_tokens_equal_verifys_where_the_cpp_runner_cannot_run(recipe):
     m = build(recipe)

@@ -42,8 +42,8 @@ def runtime_cache_plan(constant, names, windows: Optional[Sequence[int]] = None,
                        kv_dtype: Optional[torch.dtype] = None) -> tuple[list[LayerSpec], int, int, torch.dtype]:
     """The runtime cache an off-graph program asks for, read from its constant methods (`constant(name)`;
     `names` = the program's methods): (layer specs, context, max write, storage dtype). `windows` overrides
-    the program's windows (a pattern repeated over the caches); the largest write is the chunk, bounded by
-    the smallest ring window."""
+    the program's windows (a pattern repeated over the caches); the largest write is the exported chunk, whatever
+    the windows (a ring holds window + chunk - 1 slots), as in the C++ runners."""
     n = abi.ints(constant("get_n_caches"))[0]
     heads = abi.ints(constant("get_kv_heads"))
     dims = abi.ints(constant("get_head_dims"))
@@ -55,13 +55,13 @@ def runtime_cache_plan(constant, names, windows: Optional[Sequence[int]] = None,
     ctx = abi.ints(constant(abi.MAX_CONTEXT_LEN))[0]
     dtype = kv_dtype or abi.SCALAR_TYPES[abi.ints(constant(abi.ACTIVATION_DTYPE))[0]]
     specs = [LayerSpec(heads[i], dims[i], vdims[i], wins[i]) for i in range(n)]
-    return specs, ctx, min([chunk] + [w for w in wins if w > 0]), dtype
+    return specs, ctx, chunk, dtype
 
 
 class RunnerProgram:
     """A runner-layout program (one .pte) in a runtime. An off-graph program (it publishes get_n_caches) gets
     the runtime's own cache, built from its constant methods under `policy`; each call is a step against it.
-    `chunk` is the most tokens one call takes (the prefill chunk, narrowed to the smallest ring window)."""
+    `chunk` is the most tokens one call takes (the exported prefill chunk)."""
 
     def __init__(self, runtime, path, policy: Optional[CachePolicy] = None, kernels: Sequence[str] = ()):
         self.program = runtime.load(path, kernels=kernels)
