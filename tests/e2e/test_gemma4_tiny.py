@@ -11,7 +11,8 @@ import pytest
 from tests.helpers import build
 
 RECIPES = {("xnnpack", "static"): "tiny_gemma4_xnnpack", ("xnnpack", "custom"): "tiny_gemma4_custom",
-           ("xnnpack", "offgraph"): "tiny_gemma4_offgraph"}
+           ("xnnpack", "offgraph"): "tiny_gemma4_offgraph", ("mlx", "static"): "tiny_gemma4_mlx_offgraph",
+           ("mlx", "custom"): "tiny_gemma4_mlx_4w", ("mlx", "offgraph"): "tiny_gemma4_mlx_offgraph"}
 
 
 @pytest.mark.slow
@@ -19,7 +20,7 @@ RECIPES = {("xnnpack", "static"): "tiny_gemma4_xnnpack", ("xnnpack", "custom"): 
 @pytest.mark.parametrize("mode", ["static", "custom", "offgraph"])
 @pytest.mark.parametrize("model", ["tiny_gemma4", "tiny_gemma4_keqv"])
 def test_tiny_gemma4_builds_verify(model, mode, backend):
-    recipe = RECIPES.get((backend, mode), "tiny_gemma4_mlx_offgraph")
+    recipe = RECIPES[backend, mode]
     m = build(recipe, f"model={model}", f"cache={mode}")
     assert m["status"] == "ok"
     v = m["verify"]
@@ -30,3 +31,8 @@ def test_tiny_gemma4_builds_verify(model, mode, backend):
         if mode == "offgraph":  # one cache entry per layer that computes K/V
             shared = ", 2 shared" if model == "tiny_gemma4" else ""
             assert v["native"]["cache_report"].endswith(shared or "ring(window 16)"), v["native"]
+    if backend == "mlx":  # tiny_gemma4_mlx_4w stands for gemma4_mlx_4w (tests/backends/test_mlx.py: tiny twins)
+        from pipeline.runtimes.mlx import ops
+        from pipeline.runtimes.mlx.program import MLXProgram
+        uncovered = [op for op in MLXProgram(m["pte"]).ops() if not ops.Interpreter.covers(op)]
+        assert not uncovered, f"instructions without an interpreter handler: {uncovered}"
