@@ -86,6 +86,11 @@ def test_plain_tokenizer_folder_is_left_alone(tmp_path):
     assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before
 
 
-def test_no_tokenizer_and_no_processor_raises(tmp_path):
+@pytest.mark.parametrize("model_type", [None, "llama", "gemma3_text", "qwen2"])
+def test_no_tokenizer_and_no_processor_raises(tmp_path, model_type):
+    # a weights-only folder (config.json): transformers 5 builds a specials-only Gemma / Qwen2 tokenizer from it
+    if model_type:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     with pytest.raises(RuntimeError, match="neither AutoTokenizer nor AutoProcessor loads a tokenizer"):
         ensure_tokenizer(tmp_path)
+    assert not (tmp_path / "tokenizer.json").exists()
