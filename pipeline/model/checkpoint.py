@@ -52,6 +52,12 @@ def keep_text_model(folder: Path) -> dict:
     return {"text_model": {"from": before, "to": type(causal).__name__}}
 
 
+def _with_vocab(tok):
+    """tok, or None if it knows only its special tokens."""
+    # transformers 5 builds such a tokenizer from config.json's model_type (Gemma, Qwen2) when no tokenizer file exists
+    return tok if tok is not None and len(tok) > len(set(tok.all_special_ids)) else None
+
+
 def ensure_tokenizer(folder: Path, trust_remote_code: bool = False) -> dict:
     """tokenizer.json (and its chat template) in the folder, from AutoTokenizer or else the AutoProcessor's."""
     if (folder / "tokenizer.json").exists() and not (folder / "processor_config.json").exists():
@@ -59,7 +65,7 @@ def ensure_tokenizer(folder: Path, trust_remote_code: bool = False) -> dict:
     from transformers import AutoProcessor, AutoTokenizer
     how = "tokenizer"
     try:
-        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        tok = _with_vocab(AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code))
     except (OSError, ValueError, KeyError, TypeError):
         tok = None
     if tok is None or getattr(tok, "chat_template", None) is None:
@@ -67,7 +73,7 @@ def ensure_tokenizer(folder: Path, trust_remote_code: bool = False) -> dict:
             proc = AutoProcessor.from_pretrained(folder, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError, TypeError):
             proc = None
-        inner = getattr(proc, "tokenizer", None)
+        inner = _with_vocab(getattr(proc, "tokenizer", None))
         if inner is not None:
             if getattr(inner, "chat_template", None) is None and getattr(proc, "chat_template", None):
                 inner.chat_template = proc.chat_template
