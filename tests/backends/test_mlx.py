@@ -40,17 +40,33 @@ CASES = {
                              "quantize.embedding_group_size=0"),
     "llama nvfp4": ("tiny_llama_mlx", "quantize=nvfp4"),
     "gemma3 offgraph 4w": ("tiny_gemma3_mlx_offgraph", "quantize=4w"),
+    # the MLX example's --use-custom-sdpa / --use-custom-kv-cache one at a time (attention.py)
+    "llama custom_sdpa alone": ("tiny_llama_mlx", "cache.custom_kv_cache=false"),
+    "llama custom_kv_cache alone": ("tiny_llama_mlx", "cache.custom_sdpa=false"),
 }
+# the same on Gemma 3's sliding layers (window masks over flat caches): ~2 min more
+SLOW_CASES = {
+    "gemma3 custom_sdpa alone": ("tiny_gemma3_mlx_offgraph", "cache=custom", "cache.custom_kv_cache=false"),
+    "gemma3 custom_kv_cache alone": ("tiny_gemma3_mlx_offgraph", "cache=custom", "cache.custom_sdpa=false"),
+}
+
+
+class _Builds(dict):
+    """Each case built when a test first asks for it (a -k selection builds only what it needs)."""
+
+    def __missing__(self, name):
+        self[name] = build(*{**CASES, **SLOW_CASES}[name])
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def built():
-    return {name: build(*args) for name, args in CASES.items()}
+    return _Builds()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_builds_fully_delegated_and_verifies_exactly(built, name):
-    m = built[name]
+def _fully_delegated_and_exact(m):
+    """The whole graph in one MLX delegate, verify through our interpreter within the exact fp32 gate;
+    returns the delegation report by op."""
     assert m["status"] == "ok", m.get("error")
     lower = _stage(m, "lower")["metrics"]
     # the delegation report, by op, is in the manifest: everything but the delegate's getitem is inside
@@ -62,6 +78,48 @@ def test_builds_fully_delegated_and_verifies_exactly(built, name):
     same = v["same_quant"]
     assert same["greedy_match"] == same["greedy_total"] > 0
     assert same["max_logit_err"] < 1e-4 and same["top1"] == 1.0
+    return by_op
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_builds_fully_delegated_and_verifies_exactly(built, name):
+    _fully_delegated_and_exact(built[name])
+
+
+def _split_ops(m, sdpa_alone: bool):
+    """Where each half of cache=custom went: the ops inside the delegate and the MLX instructions."""
+    by_op = _fully_delegated_and_exact(m)
+    inside = {op for op, c in by_op.items() if c["delegated"] > 0}
+    program = set(MLXProgram(m["pte"]).ops())
+    if sdpa_alone:  # HF's StaticCache writes with index_copy_, mlx::custom_sdpa attends (no aten SDPA left)
+        assert {"aten_index_copy_default", "mlx_custom_sdpa_default"} <= inside, inside
+        assert "aten_scaled_dot_product_attention_default" not in by_op and "auto_functionalized_v2" not in by_op
+        assert {"IndexCopyNode", "SdpaNode"} <= program and "SliceUpdateNode" not in program, program
+    else:  # mlx::kv_cache_update (auto_functionalized in the graph, SliceUpdateNode in MLX) + aten SDPA with a mask
+        assert {"auto_functionalized_v2", "aten_scaled_dot_product_attention_default"} <= inside, inside
+        assert "mlx_custom_sdpa_default" not in by_op and "aten_index_copy_default" not in by_op
+        assert {"SliceUpdateNode", "SdpaNode"} <= program and "IndexCopyNode" not in program, program
+    assert m["verify"]["gate"] == "exact"
+    return program
+
+
+@pytest.mark.parametrize("sdpa_alone", [True, False], ids=["custom_sdpa", "custom_kv_cache"])
+def test_each_custom_flag_alone_lowers_its_own_half_on_mlx(built, sdpa_alone):
+    name = "llama custom_sdpa alone" if sdpa_alone else "llama custom_kv_cache alone"
+    _split_ops(built[name], sdpa_alone)
+    export = _stage(built[name], "export")["metrics"]
+    assert export["attention"].startswith("HF StaticCache" if sdpa_alone else "mlx::kv_cache_update + masked")
+
+
+@pytest.mark.slow  # ~2 min: two tiny Gemma 3 builds
+@pytest.mark.parametrize("sdpa_alone", [True, False], ids=["custom_sdpa", "custom_kv_cache"])
+def test_each_custom_flag_alone_keeps_gemma3_windows_on_mlx(built, sdpa_alone):
+    """Sliding layers over flat caches: the window is a mask (either flag alone has no rings); 56 tokens go
+    past the window of 16 and match eager."""
+    name = "gemma3 custom_sdpa alone" if sdpa_alone else "gemma3 custom_kv_cache alone"
+    program = _split_ops(built[name], sdpa_alone)
+    assert "WhereNode" in program  # the window mask
+    _past_the_window_matches_eager(built[name])
 
 
 def test_quantized_programs_use_mlx_quantized_kernels(built):
@@ -78,8 +136,8 @@ def test_interpreter_covers_every_instruction_of_the_mlx_recipes(built):
     """Every MLX recipe (real ones included: the same architectures, modes and schemes as these tiny
     builds) emits only instructions the interpreter has a handler for."""
     seen: dict[str, set] = {}
-    for name, m in built.items():
-        for op in MLXProgram(m["pte"]).ops():
+    for name in CASES:
+        for op in MLXProgram(built[name]["pte"]).ops():
             seen.setdefault(op, set()).add(name)
     uncovered = {op: sorted(where) for op, where in seen.items() if not ops.Interpreter.covers(op)}
     assert not uncovered, f"instructions without an interpreter handler: {uncovered}"
@@ -105,7 +163,11 @@ def _eager_and_program(m):
 @pytest.mark.parametrize("name", ["gemma3 offgraph (tiny_gemma3_mlx_offgraph)", "gemma3 custom, rings"])
 def test_past_the_window_the_rings_wrap_and_match_eager(built, name):
     """Window 16, chunk 8: rings of 23 slots in a context of 64; 56 tokens wrap them twice."""
-    eager, prog = _eager_and_program(built[name])
+    _past_the_window_matches_eager(built[name])
+
+
+def _past_the_window_matches_eager(m):
+    eager, prog = _eager_and_program(m)
     ids = torch.randint(3, 512, (56,), generator=torch.Generator().manual_seed(1)).tolist()
     eager.reset()
     prog.reset()

@@ -202,6 +202,18 @@ def test_preflight_keeps_offgraph_apart_and_rings_for_the_fused_op():
     assert key == "cache.custom_sdpa/custom_kv_cache" and "cache.mode=offgraph" in why
     [(key, _, why)] = _problems("cache.custom_sdpa=false", "export.fault=ring_one_short")
     assert key == "export.fault" and "needs rings" in why
-    [(key, _, why)] = _problems("cache.custom_sdpa=false", "backend=mlx", "verify.native=false")
-    assert key == "cache.custom_sdpa/custom_kv_cache" and "backend=mlx refuses it" in why
     assert CACHE_MODES["custom"].FLAGS[0] == BOTH  # conf/cache/custom.yaml's default: the fused op
+
+
+def test_preflight_takes_each_flag_alone_on_mlx_too():
+    """backend=mlx builds either half alone (tests/backends/test_mlx.py); both off is still the mode's refusal."""
+    mlx = ("backend=mlx", "verify.native=false")
+    assert _problems("cache.custom_kv_cache=false", *mlx) == []
+    assert _problems("cache.custom_sdpa=false", *mlx) == []
+    [(key, value, why)] = _problems("cache.custom_sdpa=false", "cache.custom_kv_cache=false", *mlx)
+    assert key == "cache.custom_sdpa/custom_kv_cache" and value == [False, False]
+    assert "[[True, True], [True, False], [False, True]]" in why and "backend=mlx" not in why
+    from pipeline.backends import mlx as mlx_backend
+    assert all(mlx_backend.refuses_cache("custom", f) is None for f in (BOTH, SDPA_ONLY, KV_ONLY))
+    why = mlx_backend.refuses_cache("offgraph", BOTH)  # a combination no mode declares: named, with the allowed
+    assert why == "allowed [custom_sdpa, custom_kv_cache]: [[False, False]]"

@@ -29,13 +29,15 @@ def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> 
 
 
 def refuses_cache(mode: str, flags: dict) -> str | None:
-    """Why this backend cannot build a cache mode with these custom-op flags (None: it can). The MLX ops replace a
-    mode's cache update and attention together (attention.py), so only each mode's default flags."""
+    """Why this backend cannot build a cache mode with these custom-op flags (None: it can): it builds every
+    combination a mode declares (attention.py). With cache.mode=custom, both flags are mlx::kv_cache_update +
+    mlx::custom_sdpa; custom_sdpa alone, HF's StaticCache (index_copy_) + mlx::custom_sdpa; custom_kv_cache alone,
+    mlx::kv_cache_update + aten SDPA under an explicit mask."""
     from pipeline.model.cache_modes import CACHE_MODES
-    default = CACHE_MODES[mode].FLAGS[0]
-    if flags != default:
-        return (f"allowed: custom_sdpa={default['custom_sdpa']}, custom_kv_cache={default['custom_kv_cache']} (the MLX "
-                "ops mlx::kv_cache_update + mlx::custom_sdpa come as a pair here)")
+    allowed = CACHE_MODES[mode].FLAGS
+    if flags not in allowed:
+        return (f"allowed [custom_sdpa, custom_kv_cache]: "
+                f"{[[f['custom_sdpa'], f['custom_kv_cache']] for f in allowed]}")
     return None
 
 
@@ -51,7 +53,8 @@ def prepare(module, cfg) -> dict:
     """Switch a wrapped module's attention to the ops the MLX delegate lowers, before torch.export."""
     setup()
     from pipeline.backends.mlx.attention import prepare_attention
-    return prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len)
+    from pipeline.model.cache_modes import flags
+    return prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len, flags(cfg.cache))
 
 
 def partition():

@@ -1,8 +1,14 @@
 """The attention ops the MLX delegate lowers, switched into the cache modes' wrappers before torch.export:
-- custom:   mlx::kv_cache_update on BHSD buffers [1, Hkv, slots, D] + mlx::custom_sdpa (flat layers), or
-            an explicit window/ring mask and aten SDPA (sliding layers; custom_sdpa has no window);
+- custom, both flags (the default): mlx::kv_cache_update on BHSD buffers [1, Hkv, slots, D] + mlx::custom_sdpa
+            (flat layers), or an explicit window/ring mask and aten SDPA (sliding layers; custom_sdpa has no window);
+- custom, custom_sdpa alone: HF's StaticCache writes its BHSD buffers with index_copy_ (MLX IndexCopyNode), then
+            mlx::custom_sdpa over them: causal from the start position (flat layers), or over the whole buffer
+            with an explicit window mask (sliding layers), as the MLX example's sliding-window attention does;
+- custom, custom_kv_cache alone: mlx::kv_cache_update into the wrapper's BHSD buffers (flat, the whole context),
+            then aten SDPA with an explicit causal (and window) mask;
 - offgraph: kvcache::update_and_attend (the runtime owns the cache; the interpreter provides it);
 - static:   HF's SDPA over the in-graph cache, unchanged.
+Either flag alone keeps the whole context in every layer, as the mode's wrappers do (rings are the pair's).
 """
 from __future__ import annotations
 
@@ -41,15 +47,54 @@ def mlx_custom_attention(module, query, key, value, attention_mask, dropout=0.0,
         torch._check(start + T <= slots)
         out = torch.ops.mlx.custom_sdpa(query, src.k_cache, src.v_cache, start, None, 0.0, True, scaling)
     else:
-        qpos = positions.reshape(-1, 1)
-        kpos = _ring_positions(qpos[-1, 0] + 1, slots).unsqueeze(0) if ring else torch.arange(slots).unsqueeze(0)
-        visible = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0)
-        mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, float("-inf"))
-        group = query.shape[1] // src.k_cache.shape[1]
-        k, v = src.k_cache, src.v_cache
-        if group > 1:
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+        out = _masked_sdpa(query, src.k_cache, src.v_cache, _mask(positions, slots, window, ring, query.dtype),
+                           scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _mask(positions: torch.Tensor, slots: int, window: int, ring: int, dtype) -> torch.Tensor:
+    """Additive mask [T, slots] of a step at `positions` over a cache of `slots` entries: key <= query and, with a
+    window w > 0, key > query - w; a ring's slots hold the positions _ring_positions says (< 0: empty)."""
+    qpos = positions.reshape(-1, 1)
+    kpos = _ring_positions(qpos[-1, 0] + 1, slots).unsqueeze(0) if ring else torch.arange(slots).unsqueeze(0)
+    visible = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= 0) if window > 0 else kpos <= qpos
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+
+
+def _masked_sdpa(query, k, v, mask, scaling):
+    """aten SDPA over whole BHSD caches under an explicit mask (GQA by repeating the K/V heads)."""
+    group = query.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+
+
+def mlx_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """custom_sdpa alone: key/value are HF's whole static cache [1, Hkv, S, D] (a KV-shared layer: its source's),
+    this step already written by index_copy_; mlx::custom_sdpa attends over it."""
+    positions, scaling = step_args("mlx custom_sdpa", query, scaling, kwargs)
+    T, slots, window = query.shape[2], key.shape[2], module.sdpa_window
+    start = _start(positions, T, slots)
+    torch._check(start + T <= slots)
+    if window == 0:
+        out = torch.ops.mlx.custom_sdpa(query, key, value, start, None, 0.0, True, scaling)
+    else:  # the op slices keys [0, start + T): from start S - T it keeps the whole buffer, the mask the window
+        mask = _mask(positions, slots, window, 0, query.dtype)
+        out = torch.ops.mlx.custom_sdpa(query, key, value, slots - T, mask, 0.0, False, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mlx_update_cache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """custom_kv_cache alone: mlx::kv_cache_update writes this step into the layer's flat BHSD buffers
+    [1, Hkv, S, D], then aten SDPA over them under the causal (and window) mask."""
+    positions, scaling = step_args("mlx custom_kv_cache", query, scaling, kwargs)
+    T, slots = query.shape[2], module.kv_k_cache.shape[2]
+    start = _start(positions, T, slots)
+    torch._check(start + T <= slots)
+    torch.ops.mlx.kv_cache_update(module.kv_k_cache, key, start, 0)
+    torch.ops.mlx.kv_cache_update(module.kv_v_cache, value, start, 0)
+    mask = _mask(positions, slots, module.kv_mask_window, 0, query.dtype)
+    out = _masked_sdpa(query, module.kv_k_cache, module.kv_v_cache, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -62,7 +107,21 @@ def mlx_offgraph_attention(module, query, key, value, attention_mask, dropout=0.
     return out.transpose(1, 2).contiguous(), None
 
 
-def _custom(module, max_context_len: int) -> str:
+def _custom(module, max_context_len: int, flags: dict) -> str:
+    from pipeline.model import custom_ops
+    from pipeline.model.cache_modes.custom import CustomCacheLM, fused
+    want = (CustomCacheLM if fused(flags) else
+            custom_ops.SdpaStaticCacheLM if flags["custom_sdpa"] else custom_ops.UpdateCacheLM)
+    if not isinstance(module, want):
+        raise TypeError(f"cache.mode=custom with {flags}: expected the mode's {want.__name__}, got "
+                        f"{type(module).__name__}")
+    if not fused(flags):
+        sdpa = flags["custom_sdpa"]
+        module.use_attention(*(("mlx_sdpa", mlx_sdpa_attention) if sdpa else
+                               ("mlx_update_cache", mlx_update_cache_attention)))
+        _keep_all_rows(module)
+        return ("HF StaticCache index_copy_ + mlx::custom_sdpa (window layers: masked)" if sdpa else
+                "mlx::kv_cache_update + masked sdpa")
     for m in attention_layers(module.model):
         if kv_source(m) is not m:
             continue  # a KV-shared layer has no buffers of its own
@@ -90,13 +149,13 @@ def _keep_all_rows(module) -> None:
             m._maybe_slice_kv_shared_inputs = _all_rows
 
 
-def _offgraph(module, max_context_len: int) -> str:
+def _offgraph(module, max_context_len: int, flags: dict) -> str:
     module.use_attention("mlx_offgraph", mlx_offgraph_attention)
     _keep_all_rows(module)
     return "kvcache::update_and_attend"
 
 
-def _static(module, max_context_len: int) -> str:
+def _static(module, max_context_len: int, flags: dict) -> str:
     return "HF sdpa over a static cache"
 
 
@@ -104,6 +163,8 @@ def _static(module, max_context_len: int) -> str:
 BY_MODE = {"static": _static, "custom": _custom, "offgraph": _offgraph}
 
 
-def prepare_attention(module: nn.Module, mode: str, max_context_len: int) -> dict:
-    """Switch a wrapped module's attention to the MLX ops before torch.export; returns a report."""
-    return {"attention": BY_MODE[mode](module, max_context_len)}
+def prepare_attention(module: nn.Module, mode: str, max_context_len: int, flags: dict | None = None) -> dict:
+    """Switch a wrapped module's attention to the MLX ops before torch.export (flags: cache.custom_sdpa /
+    cache.custom_kv_cache; None: the mode's default); returns a report."""
+    from pipeline.model.cache_modes import CACHE_MODES
+    return {"attention": BY_MODE[mode](module, max_context_len, flags or CACHE_MODES[mode].FLAGS[0])}
