@@ -104,6 +104,27 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def kv_source(module: nn.Module) -> nn.Module:
+    """The attention module whose cache `module` attends over: itself, or a KV-shared layer's (Gemma 4) source."""
+    return module.__dict__.get("_kv_source", module)
+
+
+def link_kv_sources(layers: list[nn.Module], layout) -> dict[int, nn.Module]:
+    """Point every attention module at the module that owns its cache (a KV-shared layer: its source layer's, by
+    the CacheLayout), as a plain attribute, not a submodule: the source's buffers are read, never a second copy.
+    Returns cache index -> owning module."""
+    owners = {layout.layer_cache[m.layer_idx]: m for m in layers if not layout.is_readonly(m.layer_idx)}
+    for m in layers:
+        m.__dict__["_kv_source"] = owners[layout.layer_cache[m.layer_idx]]
+    return owners
+
+
+def query_positions(positions: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """The positions of the query rows an attention function gets: the step's, or its last rows only (HF runs
+    Gemma 4's KV-shared layers on the rows whose logits are kept, `_maybe_slice_kv_shared_inputs`)."""
+    return positions.reshape(-1)[-query.shape[2]:]
+
+
 class HookedAttentionLM(nn.Module):
     """Runner layout (tokens Long[1,T], positions Long[T]) -> logits over an HF causal LM whose attention
     implementation is switched to `attn_fn` (an HF attention-interface function, registered as `attn_impl`)

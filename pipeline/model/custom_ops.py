@@ -11,6 +11,10 @@ llama::update_cache can be (cache.custom_sdpa / cache.custom_kv_cache alone):
 - custom_sdpa alone (`SdpaStaticCacheLM`): HF's own StaticCache writes K/V (index_copy_ into its buffers),
   then llmpipe::sdpa reads them. custom_kv_cache alone (`UpdateCacheLM`): llmpipe::update_cache writes the
   layer's buffers, then the standard attention math (matmuls, a mask from the positions, softmax) in the graph.
+- A KV-shared layer (Gemma 4) has no cache of its own and writes nothing: it reads its source layer's, written
+  earlier in the same forward (custom_sdpa alone: HF hands it the source's StaticCache buffers and keeps a DummyLayer
+  for it; custom_kv_cache alone: the source module's buffers), for its query rows, possibly only the step's last
+  ones (HF runs the shared layers on the kept logits' rows): their positions are the step's last ones.
 The C++ kernels are native/src/kernels/split_kernels.cpp (the attention core of the other two ops).
 """
 from __future__ import annotations
@@ -18,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.model.attention import HookedAttentionLM, attend_gathered, attention_layers, define_op, step_args
+from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, define_op, kv_source,
+                                      link_kv_sources, query_positions, step_args)
 from pipeline.model.kv_layout import cache_layout
 
 NAMESPACE = "llmpipe"
@@ -97,21 +102,33 @@ if not hasattr(getattr(torch.ops, NAMESPACE), "sdpa"):
 
 
 def _layer_windows(model: nn.Module) -> list[tuple[nn.Module, object]]:
+    """(attention module, the LayerSpec of the cache it reads) per layer, each module linked to the module owning
+    that cache (kv_source: itself, or a KV-shared layer's source)."""
     layout = cache_layout(model.config.get_text_config())
-    return [(m, layout.specs[layout.layer_cache[m.layer_idx]]) for m in attention_layers(model)]
+    layers = attention_layers(model)
+    link_kv_sources(layers, layout)
+    return [(m, layout.specs[layout.layer_cache[m.layer_idx]]) for m in layers]
+
+
+def _step_positions(module, query, positions) -> torch.Tensor:
+    """This call's query positions: the step's, or a KV-shared layer's rows (possibly the step's last ones)."""
+    return query_positions(positions, query) if kv_source(module) is not module else positions.reshape(-1)
 
 
 # --- custom_sdpa alone: HF's StaticCache writes, llmpipe::sdpa reads ------------------------------------------
 
 def _sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """key/value are HF's whole static cache [1,Hkv,S,D], this step already written by index_copy_."""
+    """key/value are HF's whole static cache [1,Hkv,S,D], this step already written by index_copy_ (a KV-shared
+    layer: its source layer's, which HF passes on from the source's update)."""
     positions, scaling = step_args("custom_sdpa", query, scaling, kwargs)
-    out = torch.ops.llmpipe.sdpa(query, key, value, positions.reshape(-1), module.sdpa_window, scaling)
+    out = torch.ops.llmpipe.sdpa(query, key, value, _step_positions(module, query, positions), module.sdpa_window,
+                                 scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
 class SdpaStaticCacheLM(HookedAttentionLM):
-    """HF's static in-graph cache (mutable buffers HF updates), attention by llmpipe::sdpa over them."""
+    """HF's static in-graph cache (mutable buffers HF updates), attention by llmpipe::sdpa over them. KV-shared
+    layers keep HF's DummyLayer (attach_static_cache): no buffers, they read their source layer's."""
 
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last"):
         from pipeline.model.cache_modes.static import attach_static_cache
@@ -121,14 +138,18 @@ class SdpaStaticCacheLM(HookedAttentionLM):
         self.cache = attach_static_cache(self, model, max_context_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        for layer in self.cache.layers:  # the caller says where this chunk starts
+        for layer in self._layers():  # the caller says where this chunk starts
             layer.cumulative_length.copy_(positions[0])
         with self._attn_impl():
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
                               use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0).logits
 
+    def _layers(self):
+        """The cache layers with buffers (a KV-shared layer's DummyLayer has none)."""
+        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
+
     def reset(self) -> None:
-        for layer in self.cache.layers:
+        for layer in self._layers():
             layer.keys.zero_()
             layer.values.zero_()
             layer.cumulative_length.zero_()
@@ -138,9 +159,11 @@ class SdpaStaticCacheLM(HookedAttentionLM):
 
 def _update_cache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     positions, scaling = step_args("custom_kv_cache", query, scaling, kwargs)
-    pos = positions.reshape(-1)
-    torch.ops.llmpipe.update_cache(key, value, module.kv_k_cache, module.kv_v_cache, pos)
-    K, V = module.kv_k_cache, module.kv_v_cache                  # [1,Hkv,S,D], this step written
+    src = kv_source(module)
+    pos = _step_positions(module, query, positions)
+    if src is module:  # a KV-shared layer writes nothing: its source wrote this step earlier in this forward
+        torch.ops.llmpipe.update_cache(key, value, module.kv_k_cache, module.kv_v_cache, pos)
+    K, V = src.kv_k_cache, src.kv_v_cache                        # [1,Hkv,S,D], this step written
     hkv, S = K.shape[1], K.shape[2]
     group = query.shape[1] // hkv
     if group > 1:  # GQA as HF's repeat_kv does it
@@ -149,8 +172,8 @@ def _update_cache_attention(module, query, key, value, attention_mask, dropout=0
     kpos = torch.arange(S, device=query.device)[None, :]
     qpos = pos[:, None]
     visible = kpos <= qpos
-    if module.kv_mask_window > 0:
-        visible = visible & (kpos > qpos - module.kv_mask_window)
+    if src.kv_mask_window > 0:
+        visible = visible & (kpos > qpos - src.kv_mask_window)
     scores = torch.matmul(query.float(), K.float().transpose(2, 3)) * scaling
     scores = scores.masked_fill(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), V.float()).to(query.dtype)
@@ -158,13 +181,16 @@ def _update_cache_attention(module, query, key, value, attention_mask, dropout=0
 
 
 class UpdateCacheLM(HookedAttentionLM):
-    """In-graph BHSD cache buffers per attention layer written by llmpipe::update_cache; standard attention."""
+    """In-graph BHSD cache buffers per attention layer written by llmpipe::update_cache; standard attention.
+    A KV-shared layer has no buffers: it reads its source layer's (kv_source)."""
 
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last"):
         super().__init__(model, logits_mode, "llmpipe_update_cache", _update_cache_attention)
         dtype = next(model.parameters()).dtype
         for m, spec in _layer_windows(model):
             m.kv_mask_window = int(spec.window)
+            if kv_source(m) is not m:
+                continue
             m.register_buffer("kv_k_cache", torch.zeros(1, spec.kv_heads, max_context_len, spec.head_dim,
                                                         dtype=dtype), persistent=False)
             m.register_buffer("kv_v_cache", torch.zeros(1, spec.kv_heads, max_context_len, spec.v_dim,

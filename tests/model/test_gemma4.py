@@ -88,14 +88,38 @@ def test_offgraph_cache_holds_one_copy_of_shared_layers():
     assert w.cache.length == 8
 
 
-@pytest.mark.parametrize("mode", ["static", "custom", "offgraph"])
+SDPA_ONLY = {"custom_sdpa": True, "custom_kv_cache": False}
+KV_ONLY = {"custom_sdpa": False, "custom_kv_cache": True}
+# cache mode, custom-op flags (None: the mode's default; custom: both)
+MODES = {"static": ("static", None), "custom": ("custom", None), "custom_sdpa": ("custom", SDPA_ONLY),
+         "custom_kv_cache": ("custom", KV_ONLY), "offgraph": ("offgraph", None)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", CONFIGS)
 def test_wrapped_matches_hf_past_the_window(name, mode):
     model = tiny_model(name)
     for logits_mode in ("last", "full"):  # last: HF runs the shared layers on the last row only
-        module = wrap(model, mode, 64, logits_mode, 8)
+        cache_mode, flags = MODES[mode]
+        module = wrap(model, cache_mode, 64, logits_mode, 8, flags)
         check = self_check(module, model, 64, 8, 16, 512)
         assert check["tokens"] > 16 and check["max_abs_err"] < 1e-4, (name, mode, logits_mode, check)
+
+
+@pytest.mark.parametrize("mode", ["custom_sdpa", "custom_kv_cache"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_each_custom_flag_alone_matches_hf_with_the_mlx_ops(name, mode):
+    """The same parity once the MLX delegate's ops are switched in (pipeline/backends/mlx/attention.py), eagerly:
+    a KV-shared layer reads its source's buffers there too."""
+    from pipeline.backends.mlx import setup
+    from pipeline.backends.mlx.attention import prepare_attention
+    setup()
+    model = tiny_model(name)
+    module = wrap(model, "custom", 64, "last", 8, MODES[mode][1])
+    prepare_attention(module, "custom", 64, MODES[mode][1])
+    with torch.no_grad():
+        check = self_check(module, model, 64, 8, 16, 512)
+    assert check["tokens"] > 16 and check["max_abs_err"] < 1e-4, (name, mode, check)
 
 
 def test_custom_mode_shared_layers_have_no_buffers():
@@ -103,6 +127,19 @@ def test_custom_mode_shared_layers_have_no_buffers():
     assert len(module.slots) == 4 and module.slots == [23, 23, 64, 23]
     bufs = [n for n, _ in module.named_buffers() if n.endswith("k_cache")]
     assert [n.split(".")[3] for n in bufs] == ["0", "1", "2", "3"], bufs
+
+
+@pytest.mark.parametrize("mode", ["custom_sdpa", "custom_kv_cache"])
+def test_each_custom_flag_alone_keeps_one_copy_of_shared_layers(mode):
+    """Layers 4 and 5 read layers 3 and 2's flat caches (64 positions): no buffers of their own, nothing written."""
+    module = wrap(tiny_model("tiny_gemma4"), "custom", 64, "last", 8, MODES[mode][1])
+    keys = {n: b for n, b in module.named_buffers() if n.endswith("k_cache") or n.startswith("k_cache_")}
+    layer = {n: int(n.split(".")[3] if "." in n else n.rsplit("_", 1)[1]) for n in keys}
+    assert sorted(layer.values()) == [0, 1, 2, 3], list(keys)
+    assert [tuple(keys[n].shape) for n in sorted(keys, key=layer.get)] == [(1, 1, 64, 16)] * 2 + [(1, 1, 64, 32),
+                                                                                             (1, 1, 64, 16)]
+    module(torch.arange(3, 11)[None], torch.arange(8))
+    assert all(keys[n][0, :, :8].abs().sum() > 0 and not keys[n][0, :, 8:].any() for n in keys)
 
 
 def test_multimodal_checkpoint_keeps_its_text_model(tmp_path):

@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.model.attention import attention_layers, step_args
-from pipeline.model.cache_modes.custom import kv_source
+from pipeline.model.attention import attention_layers, kv_source, step_args
 
 
 # --- attention functions (HF attention interface: q/k arrive RoPE-rotated, [B,H,T,D]) -------------
@@ -70,8 +69,9 @@ def _masked_sdpa(query, k, v, mask, scaling):
 
 
 def mlx_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """custom_sdpa alone: key/value are HF's whole static cache [1, Hkv, S, D] (a KV-shared layer: its source's),
-    this step already written by index_copy_; mlx::custom_sdpa attends over it."""
+    """custom_sdpa alone: key/value are HF's whole static cache [1, Hkv, S, D] (a KV-shared layer: its source's, which
+    HF passes on; every row goes through: _keep_all_rows), this step already written by index_copy_; mlx::custom_sdpa
+    attends over it."""
     positions, scaling = step_args("mlx custom_sdpa", query, scaling, kwargs)
     T, slots, window = query.shape[2], key.shape[2], module.sdpa_window
     start = _start(positions, T, slots)
@@ -86,15 +86,18 @@ def mlx_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 def mlx_update_cache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """custom_kv_cache alone: mlx::kv_cache_update writes this step into the layer's flat BHSD buffers
-    [1, Hkv, S, D], then aten SDPA over them under the causal (and window) mask."""
+    [1, Hkv, S, D], then aten SDPA over them under the causal (and window) mask. A KV-shared layer writes nothing:
+    it reads its source's buffers, written earlier in this forward (every row goes through: _keep_all_rows)."""
     positions, scaling = step_args("mlx custom_kv_cache", query, scaling, kwargs)
-    T, slots = query.shape[2], module.kv_k_cache.shape[2]
+    src = kv_source(module)
+    T, slots = query.shape[2], src.kv_k_cache.shape[2]
     start = _start(positions, T, slots)
     torch._check(start + T <= slots)
-    torch.ops.mlx.kv_cache_update(module.kv_k_cache, key, start, 0)
-    torch.ops.mlx.kv_cache_update(module.kv_v_cache, value, start, 0)
-    mask = _mask(positions, slots, module.kv_mask_window, 0, query.dtype)
-    out = _masked_sdpa(query, module.kv_k_cache, module.kv_v_cache, mask, scaling)
+    if src is module:
+        torch.ops.mlx.kv_cache_update(module.kv_k_cache, key, start, 0)
+        torch.ops.mlx.kv_cache_update(module.kv_v_cache, value, start, 0)
+    mask = _mask(positions, slots, src.kv_mask_window, 0, query.dtype)
+    out = _masked_sdpa(query, src.kv_k_cache, src.kv_v_cache, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                      step_args)
+                                      kv_source, link_kv_sources, query_positions, step_args)
 from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
 
 # both: the fused op; one alone: that half of it (pipeline/model/custom_ops.py), as ExecuTorch's llama:: ops allow
@@ -143,17 +143,12 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     src = kv_source(module)
     if src is not module:
         # a KV-shared layer: its source wrote this step; HF may keep only the step's last rows for it
-        out = torch.ops.llmpipe.cached_attend(query, src.k_cache, src.v_cache,
-                                              positions.reshape(-1)[-query.shape[2]:], src.kv_window, scaling)
+        out = torch.ops.llmpipe.cached_attend(query, src.k_cache, src.v_cache, query_positions(positions, query),
+                                              src.kv_window, scaling)
         return out.transpose(1, 2).contiguous(), None
     out = torch.ops.llmpipe.cached_attention(query, key, value, module.k_cache, module.v_cache,
                                              positions.reshape(-1), module.kv_window, scaling)
     return out.transpose(1, 2).contiguous(), None
-
-
-def kv_source(module: nn.Module) -> nn.Module:
-    """The attention module whose buffers `module` attends over (itself, or a KV-shared layer's source)."""
-    return module.__dict__.get("_kv_source", module)
 
 
 class CustomCacheLM(HookedAttentionLM):
@@ -172,11 +167,9 @@ class CustomCacheLM(HookedAttentionLM):
         dtype = next(model.parameters()).dtype
         self.slots = []
         layers = attention_layers(model)
-        by_cache = {}
         for m in layers:
             if layout.is_readonly(m.layer_idx):
                 continue
-            by_cache[layout.layer_cache[m.layer_idx]] = m
             spec = layout.specs[layout.layer_cache[m.layer_idx]]
             slots = ring_slots(spec.window, chunk, max_context_len)
             m.kv_window = int(spec.window)
@@ -185,9 +178,7 @@ class CustomCacheLM(HookedAttentionLM):
             m.register_buffer("v_cache", torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype),
                               persistent=False)
             self.slots.append(slots)
-        for m in layers:
-            # a plain attribute, not a submodule: the source's buffers are read, never a second copy
-            m.__dict__["_kv_source"] = by_cache[layout.layer_cache[m.layer_idx]]
+        link_kv_sources(layers, layout)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
