@@ -58,3 +58,11 @@ def test_shared_layers_read_their_source_entry(native_bins, tiny_gemma4_offgraph
     flat, f = run_runner(native_bins, tiny_gemma4_offgraph, "--kv-windows", "0")
     assert "4 layers: 4 flat, 2 shared" in flat.stderr
     assert f["cache_bytes"] == ALL_FLAT_BYTES
+
+
+@pytest.mark.parametrize("kind", ["batched-sequence", "batched-cell"])
+def test_batched_runner_reports_the_shared_layers(tiny_gemma4_offgraph, kind):
+    from pipeline import native
+    _, engine = native.run_batched(tiny_gemma4_offgraph["pte"], [[5, 6, 7, 8]], max_new_tokens=4,
+                                   extra_args=["--cache-kind", kind, "--max-session-tokens", "64"])
+    assert "4 layers: 1 flat + 3 ring(window 16), 2 shared" in engine["cache_report"], engine["cache_report"]

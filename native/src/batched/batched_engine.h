@@ -47,6 +47,7 @@ struct EngineOptions {
   int64_t top_k = 0;
   uint64_t seed = 42;  // session of prompt p samples with seed + p
   size_t prefix_cache_entries = 0;
+  int64_t shared_layers = 0;  // KV-shared layers (get_n_shared_layers): they read their source's cache
 };
 
 struct Request {

@@ -304,6 +304,7 @@ int run(const Options& given) {
   eo.top_k = o.top_k;
   eo.seed = o.seed;
   eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
+  eo.shared_layers = g.n_shared;
   std::unordered_set<int64_t> stops;
   if (!o.ignore_eos) {
     stops.insert(info.eos_ids.begin(), info.eos_ids.end());
