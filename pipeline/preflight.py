@@ -21,6 +21,7 @@ from pipeline.exporters import EXPORTERS
 from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
+from pipeline.model.kv_layout import geometry_layout, ring_slots
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 Problems = list[tuple[str, object, str]]
@@ -262,17 +263,16 @@ def parameter_count(g: Geometry) -> int:
 
 
 def kv_cache_bytes(cfg, g: Geometry) -> int:
-    """K/V storage at the recipe's context: every layer holds the whole context, except the sliding layers of
-    modes with rings (window + chunk - 1 slots)."""
+    """K/V storage at the recipe's context, in the export dtype, as the cache modes allocate it (the off-graph
+    runtime at its default capacity, the context): one cache per layer that computes its own K/V (a KV-shared
+    layer reads its source's), with that layer's heads and dims; the sliding layers of modes with rings hold
+    window + chunk - 1 slots (at most the context), every other cache the whole context."""
     e = cfg.export
-    per_slot = 2 * g.num_kv_heads * g.head_dim * DTYPE_BYTES[v(e.dtype)]
     rings = CACHE_MODES[cfg.cache.mode].rings(flags(cfg.cache))
     total = 0
-    for t in g.layer_types or ["full_attention"] * g.num_layers:
-        slots = e.max_context_len
-        if t == "sliding_attention" and g.sliding_window and rings:
-            slots = min(g.sliding_window + e.prefill_chunk - 1, e.max_context_len)
-        total += slots * per_slot
+    for s in geometry_layout(g).specs:
+        slots = ring_slots(s.window if rings else 0, e.prefill_chunk, e.max_context_len)
+        total += slots * s.kv_heads * (s.head_dim + s.v_dim) * DTYPE_BYTES[v(e.dtype)]
     return total
 
 

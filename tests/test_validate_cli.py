@@ -67,6 +67,26 @@ def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
     assert preflight.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
 
 
+
+def test_gemma4_kv_estimate_counts_per_layer_dims_and_no_cache_for_shared_layers():
+    """Each cache with its own layer's heads and dims; KV-shared layers hold none (tests/model/test_gemma4.py
+    checks the same figures against the bytes each cache mode's wrapped module allocates)."""
+    from pipeline.model import sources
+
+    def estimate(model, mode, *overrides):
+        cfg = compose_cfg(f"model={model}", f"cache={mode}", "export.max_context_len=64", "export.prefill_chunk=8",
+                          *overrides)
+        return preflight.kv_cache_bytes(cfg, sources.geometry(cfg.model))
+
+    # tiny_gemma4: caches of layers 0, 1, 3 (sliding, 1 x 16) and 2 (full, 1 x 32); layers 4 and 5 read 3 and 2
+    assert estimate("tiny_gemma4", "static") == 2 * 4 * (3 * 64 * 16 + 64 * 32) == 40960
+    assert estimate("tiny_gemma4", "offgraph") == 2 * 4 * (3 * 23 * 16 + 64 * 32) == 25216  # the C++ runner's
+    assert estimate("tiny_gemma4", "offgraph", "export.dtype=bf16") == 25216 // 2
+    # attention_k_eq_v: global layers 1 and 3 with 1 KV head x 64 dims (values stored beside the keys, as wide),
+    # sliding layers 0 and 2 with 2 x 16
+    keqv = ("tiny_gemma4_keqv", "offgraph", "model.random.global_head_dim=64")
+    assert estimate(*keqv) == 2 * 4 * (2 * 23 * 2 * 16 + 2 * 64 * 64) == 77312
+
 def test_smoke_builds_a_real_recipe_on_a_tiny_model_of_its_architecture(tmp_path):
     (tmp_path / "smollm2_custom.yaml").write_text((ROOT / "recipes" / "smollm2_custom.yaml").read_text())
     r = subprocess.run([sys.executable, "-m", "pipeline.validate", str(tmp_path), "--smoke"], cwd=ROOT,

@@ -1,14 +1,15 @@
 """Which KV caches a model needs, and their geometry: one cache per attention layer, flat or a ring.
 
-Shared by the cache modes that keep their own caches (custom: in the program; offgraph: in the runtime)
-and by the runtimes that build an off-graph program's cache from its constant methods.
+Shared by the cache modes that keep their own caches (custom: in the program; offgraph: in the runtime),
+by the runtimes that build an off-graph program's cache from its constant methods, and by preflight's
+KV-cache estimate (geometry_layout: the same layout from the model's Geometry).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pipeline.model.geometry import kv_sources, layer_types
+from pipeline.model.geometry import Geometry, kv_sources, layer_types
 
 
 @dataclass(frozen=True)
@@ -52,22 +53,35 @@ def cache_layout(cfg, windows: Optional[Sequence[int]] = None) -> CacheLayout:
     (a runner-side choice: never heads or dims, and a shared layer follows its source's cache)."""
     if getattr(cfg, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit softcapping is not supported")
-    n = cfg.num_hidden_layers
     types = layer_types(cfg)
-    window = getattr(cfg, "sliding_window", None) or 0
     sources = kv_sources(types, getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    dims = [_layer_dims(cfg, i) for i in range(cfg.num_hidden_layers)]
+    return _layout(types, getattr(cfg, "sliding_window", None) or 0, sources, dims, windows)
+
+
+def geometry_layout(g: Geometry) -> CacheLayout:
+    """The same layout from a preflight Geometry (read without the HF config): per-layer heads and dims, KV sources."""
+    n = g.num_layers
+    dims = [(g.layer_kv_head_count(i), g.layer_head_dim(i)) for i in range(n)]
+    return _layout(g.layer_types or ["full_attention"] * n, g.sliding_window or 0, g.kv_source or list(range(n)), dims)
+
+
+def _layout(types: Sequence[str], window: int, sources: Sequence[int], dims: Sequence[tuple[int, int]],
+            windows: Optional[Sequence[int]] = None) -> CacheLayout:
+    """Per layer: its type, its K/V source layer, its (kv heads, head dim). Values are as wide as keys (Gemma 4's
+    attention_k_eq_v layers too: their values are the normed, unrotated keys, stored apart)."""
     specs, layer_cache = [], []
-    for i in range(n):
+    for i, t in enumerate(types):
         if sources[i] != i:
             layer_cache.append(layer_cache[sources[i]])
             continue
-        w = window if types[i] == "sliding_attention" else 0
+        w = window if t == "sliding_attention" else 0
         if windows:
             w = int(windows[len(specs) % len(windows)])
-        heads, dim = _layer_dims(cfg, i)
+        heads, dim = dims[i]
         layer_cache.append(len(specs))
         specs.append(LayerSpec(heads, dim, dim, w))
-    return CacheLayout(layer_cache, specs, [sources[i] != i for i in range(n)])
+    return CacheLayout(layer_cache, specs, [sources[i] != i for i in range(len(types))])
 
 
 def ring_slots(window: int, chunk: int, context: int) -> int:

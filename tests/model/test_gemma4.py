@@ -207,3 +207,34 @@ def test_kv_sharing_without_a_source_layer_is_a_config_error():
         check(cfg)
     text = str(e.value)
     assert "model.random" in text and "num_kv_shared_layers=5" in text and "full_attention" in text
+
+
+def _cache_buffer_bytes(module) -> int:
+    """Bytes of the K/V storage a wrapped module allocated: the off-graph cache it owns, or its cache buffers
+    (k_cache / v_cache, HF's static k_cache_<i> / v_cache_<i>, update_cache's kv_k_cache / kv_v_cache)."""
+    if isinstance(module, og.OffgraphLM):
+        return module.cache.nbytes()
+    return sum(b.numel() * b.element_size() for n, b in module.named_buffers()
+               if n.rsplit(".", 1)[-1].startswith(("k_cache", "v_cache", "kv_k_cache", "kv_v_cache")))
+
+
+@pytest.mark.parametrize("context", [64, 20])  # 20: rings of 16 + 8 - 1 slots capped at the context
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", CONFIGS + ["tiny_llama", "tiny_gemma3"])
+def test_preflight_kv_estimate_is_what_the_wrapped_module_allocates(name, mode, dtype, context):
+    """preflight's kv_cache_bytes, from the geometry alone, equals the bytes each cache mode's module allocates:
+    per-layer heads and dims, no storage for KV-shared layers, rings only where the mode keeps them."""
+    from pipeline import preflight
+    from pipeline.model.cache_modes import CACHE_MODES
+    cache_mode, mode_flags = MODES[mode]
+    mode_flags = mode_flags or CACHE_MODES[cache_mode].FLAGS[0]
+    cfg = compose_cfg(f"model={name}", f"cache={cache_mode}", f"cache.custom_sdpa={mode_flags['custom_sdpa']}",
+                      f"cache.custom_kv_cache={mode_flags['custom_kv_cache']}", f"export.dtype={dtype}",
+                      f"export.max_context_len={context}", "export.prefill_chunk=8")
+    model = tiny_model(name).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    module = wrap(model, cache_mode, context, "last", 8, mode_flags)
+    estimate = preflight.kv_cache_bytes(cfg, sources.geometry(cfg.model))
+    assert estimate == _cache_buffer_bytes(module) > 0, (name, mode, dtype, context)
+    if (name, cache_mode, dtype, context) == ("tiny_gemma4", "offgraph", "fp32", 64):
+        assert estimate == 25216  # the C++ runner's cache at capacity 64, chunk 8 (tests/native/test_gemma4_native.py)
