@@ -69,12 +69,17 @@ def test_entry_without_ok_manifest_does_not_exist(tmp_path):
     assert store.lookup("export", "abc") == entry
 
 
+def _default_sigint() -> None:
+    # a shell's background job inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kill_during(sig: int, wait_for: str, tmp_out: str) -> None:
     """Start a build, send `sig` once the stage `wait_for` has started, and wait for it to end."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     p = subprocess.Popen([sys.executable, "-m", "pipeline", f"recipe={TINY}", f"run.output_dir={tmp_out}",
                           "run.progress=false"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, env=env)
+                         text=True, env=env, preexec_fn=_default_sigint)
     cache = ROOT / tmp_out / "cache" / wait_for
     deadline = time.time() + 300
     while time.time() < deadline and not any(cache.glob(".tmp-*")):
