@@ -138,21 +138,15 @@ class SdpaStaticCacheLM(HookedAttentionLM):
         self.cache = attach_static_cache(self, model, max_context_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        for layer in self._layers():  # the caller says where this chunk starts
-            layer.cumulative_length.copy_(positions[0])
+        from pipeline.model.cache_modes.static import start_step
+        start_step(self.cache, positions)
         with self._attn_impl():
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
                               use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0).logits
 
-    def _layers(self):
-        """The cache layers with buffers (a KV-shared layer's DummyLayer has none)."""
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
-
     def reset(self) -> None:
-        for layer in self._layers():
-            layer.keys.zero_()
-            layer.values.zero_()
-            layer.cumulative_length.zero_()
+        from pipeline.model.cache_modes.static import reset_static_cache
+        reset_static_cache(self.cache)
 
 
 # --- custom_kv_cache alone: llmpipe::update_cache writes, standard attention math reads -------------------------

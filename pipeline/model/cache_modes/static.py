@@ -39,6 +39,24 @@ def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int
     return cache
 
 
+def buffer_layers(cache) -> list:
+    """The cache layers with buffers (a KV-shared layer's DummyLayer has none)."""
+    return [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+
+
+def start_step(cache, positions: torch.Tensor) -> None:
+    """The caller says where this chunk starts: a rerun from position 0 starts a new sequence."""
+    for layer in buffer_layers(cache):
+        layer.cumulative_length.copy_(positions[0])
+
+
+def reset_static_cache(cache) -> None:
+    for layer in buffer_layers(cache):
+        layer.keys.zero_()
+        layer.values.zero_()
+        layer.cumulative_length.zero_()
+
+
 class StaticCacheLM(nn.Module):
     """HF attention over a static in-graph KV cache.
 
@@ -53,21 +71,13 @@ class StaticCacheLM(nn.Module):
         self.cache = attach_static_cache(self, model, max_context_len)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # the caller says where this chunk starts: a rerun from position 0 starts a new sequence
-        for layer in self._layers():
-            layer.cumulative_length.copy_(positions[0])
+        start_step(self.cache, positions)
         out = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0)
         return out.logits
 
-    def _layers(self):
-        return [layer for layer in self.cache.layers if getattr(layer, "keys", None) is not None]
-
     def reset(self) -> None:
-        for layer in self._layers():
-            layer.keys.zero_()
-            layer.values.zero_()
-            layer.cumulative_length.zero_()
+        reset_static_cache(self.cache)
 
 
 def rings(flags: dict) -> bool:
