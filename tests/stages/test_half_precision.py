@@ -57,6 +57,28 @@ def test_the_transformers_route_refuses_bf16_on_xnnpack_before_any_work():
     check_config(compose_cfg("recipe=tiny_llama_hf_exporter_mlx", "export.dtype=bf16"))
 
 
+def test_fp16_group_wise_weight_only_runs_on_the_portable_mixed_linear():
+    """Its scales follow the activations: with fp32 scales the kernel failed at run time (error 0x12). The tiny random
+    model's own fp16 rounding moves its flat logits off the float model's argmax, so only same-quant is gated."""
+    m = build("tiny_llama_xnnpack_4w", "export.dtype=fp16", "verify.half.vs_float.min_top1=null")
+    lower = next(s for s in m["stages"] if s["name"] == "lower")["metrics"]
+    assert lower["delegation_by_op"]["quantized_decomposed_mixed_linear_default"]["non_delegated"] > 0
+    s = m["verify"]
+    assert s["gate"] == "half" and s["same_quant"]["top1"] == 1.0 and s["native"]["token_parity"]
+
+
+@pytest.mark.parametrize("recipe,dtype,group,why", [
+    ("tiny_llama_xnnpack_4w", "bf16", 32, "mixed_linear kernel, which has no bf16 form"),
+    ("tiny_llama_xnnpack_4w", "fp16", 0, "per-channel weight-only linears .* take fp32 activations only"),
+    ("tiny_llama_xnnpack_8w", "fp16", 0, "per-channel weight-only linears .* take fp32 activations only"),
+    ("tiny_llama_xnnpack_8w", "bf16", 32, "mixed_linear kernel, which has no bf16 form"),
+])
+def test_weight_only_linears_xnnpack_cannot_run_at_half_are_refused_before_any_work(recipe, dtype, group, why):
+    from pipeline.preflight import check as check_config
+    with pytest.raises(ConfigError, match=rf"quantize.linear.*export.dtype={dtype}: .*{why}"):
+        check_config(compose_cfg(f"recipe={recipe}", f"export.dtype={dtype}", f"quantize.linear_group_size={group}"))
+
+
 @pytest.mark.parametrize("dtype,quantize,gate", [("fp32", "none", "exact"), ("bf16", "none", "half"),
                                                  ("fp16", "4w", "half"), ("bf16", "8da4w", "dynamic")])
 def test_the_auto_gate_follows_dtype_and_scheme(dtype, quantize, gate):

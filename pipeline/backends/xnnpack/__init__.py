@@ -29,9 +29,15 @@ def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> 
     if scheme == "8da4w" and group % 32:
         return ("XNNPACK's blockwise 4-bit weights take groups of a multiple of 32 (its serializer asserts it): "
                 "group size 0, 32, 64, ...")
-    if gemm and dtype == "bf16" and scheme in ("8w", "8da8w"):
-        return ("its int8-weight GEMMs (f32-qc8w, qd8-f32-qc8w) have no bf16 form: the program fails to load with "
-                "xnn_status_invalid_parameter. With export.dtype=bf16 use 4-bit schemes (8da4w) or none; or fp16")
+    if gemm and dtype != "fp32" and scheme in WEIGHT_ONLY_BITS and group == 0:
+        return (f"its per-channel weight-only linears (f32-qc4w, f32-qc8w) take fp32 activations only: at {dtype} "
+                f"they fall outside the delegate. Use 8da4w, or export.dtype=fp32")
+    if gemm and dtype == "bf16" and scheme in WEIGHT_ONLY_BITS:
+        return ("its group-wise weight-only linears run on the portable mixed_linear kernel, which has no bf16 form "
+                "(the program fails at run time with error 0x12). Use 8da4w, export.dtype=fp16, or fp32")
+    if gemm and dtype == "bf16" and scheme == "8da8w":
+        return ("its int8-weight GEMM under dynamic activations (qd8-f32-qc8w) has no bf16 form: the program fails "
+                "to load with xnn_status_invalid_parameter. With export.dtype=bf16 use 8da4w or none; or fp16")
     if scheme == "8da8w" and group > 0:
         return ("XNNPACK runs int8 weights under dynamic activations per output channel only (qd8-f32-qc8w; "
                 "lowering stops at 'Only 4b group quantization is supported'): group size 0")

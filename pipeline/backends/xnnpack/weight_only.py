@@ -176,12 +176,13 @@ class DQPerChannelLinear(nn.Module):
 
 
 class MixedLinear(nn.Module):
-    """Group-wise weights through quantized_decomposed::mixed_linear (portable CPU kernel)."""
+    """Group-wise weights through quantized_decomposed::mixed_linear (portable CPU kernel). Its scales keep the
+    activations' dtype: the kernel refuses fp16 activations beside fp32 scales (error 0x12 at run time)."""
 
     def __init__(self, qdata, scale, bias, out_features: int):
         super().__init__()
         self.register_buffer("qweight", qdata.contiguous())
-        self.register_buffer("scales", scale.to(torch.float32).contiguous())
+        self.register_buffer("scales", scale.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features = out_features
 
