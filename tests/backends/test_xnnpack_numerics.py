@@ -10,7 +10,9 @@
   differ from eager in the last bits and flip an int8 rounding now and then. For 8da8w end to end there is no margin
   to test: torchao's fp32 per-channel emulation is already XNNPACK's up to last bits, below that float-op floor.
 
-The emulation follows the x86 AVX-512 VNNI kernels (unsigned qdu8 activations): the machine these tests run on.
+The emulation follows the x86 AVX-512 VNNI kernels (unsigned qdu8 activations). On a CPU whose XNNPACK picks other
+kernels (AVX2, AMX, Arm) the sums and epilogues differ in the last bits, so there the linears are held to a few ulps
+of the reference instead of bit for bit (`_same`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.backends.xnnpack.numerics import dynamic_weight, fma32, reference, row_qparams
+from pipeline.backends.xnnpack.numerics import dynamic_weight, fma32, follows_this_cpu, reference, row_qparams
 from pipeline.runtimes import open_program
 from pipeline.runtimes.base import run_sequence
 from tests.helpers import build, stage_path
@@ -41,6 +43,14 @@ def built():
             runs[scheme] = build(RECIPE, *SCHEMES[scheme], stages=STAGES)
         return runs[scheme]
     return get
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, exact: bool | None = None) -> bool:
+    """Bit for bit where this CPU runs the kernels the emulation follows; elsewhere within last-bit differences of
+    the fp32 epilogue (1e-5 of the output's scale: an order-of-summation difference, never a wrong int)."""
+    if follows_this_cpu() if exact is None else exact:
+        return torch.equal(got, want)
+    return (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 def _eager(manifest: dict) -> nn.Module:
@@ -128,7 +138,11 @@ def test_a_wide_linear_is_bit_exact(bits, group, bias, tmp_path):
     x = torch.randn(1, 64, 1024) * torch.rand(1, 64, 1) * 4 + torch.randn(1, 64, 1)
     got = _lowered([linear[0]], [x], tmp_path)[0]
     with torch.no_grad():
-        assert torch.equal(got, reference(linear)(x))
+        assert _same(got, reference(linear)(x))
+        if follows_this_cpu() and group:
+            # the other activation form misses by an ulp now and then: the strict check sees it, the loose one not
+            other = reference(linear, unsigned=False)(x)
+            assert not _same(got, other) and _same(got, other, exact=False)
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
@@ -146,7 +160,7 @@ def test_every_linear_is_bit_exact(built, scheme, tmp_path):
         torchao = [linears[n](x) for n in names for x in seen[n][:2]]
     assert len(got) == len(want) == 2 * len(names)
     mismatched = [f"{names[i // 2]} ({'prefill' if i % 2 == 0 else 'decode'})"
-                  for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
+                  for i, (g, w) in enumerate(zip(got, want)) if not _same(g, w)]
     assert not mismatched, mismatched
     # torchao's emulation is not XNNPACK's: fp32 group scales for 8da4w (an error of ~1e-3 and up), float
     # summation order (and now and then an activation rounded the other way) for 8da8w

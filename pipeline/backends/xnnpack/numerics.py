@@ -45,12 +45,35 @@ program than torchao's module, not identical to it.
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
 
 import torch
 from torch import nn
 
 QMIN, QMAX = -128, 127     # XNNPACK's qd8 range; qdu8 shifts it and the zero point by 128
 KSUM_CHUNK = 16            # input channels per ksum term in the qb4w packing (2 * kr, kr = 8 on x86 AVX2/AVX-512)
+
+
+@functools.cache
+def cpu_flags() -> frozenset:
+    try:
+        line = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
+def follows_this_cpu() -> bool:
+    """Whether this CPU runs the kernels the emulation follows bit for bit (x86 AVX-512 VNNI, qdu8 activations,
+    no AMX); elsewhere XNNPACK picks other kernels whose sums and epilogues differ in the last bits."""
+    flags = cpu_flags()
+    return "avx512_vnni" in flags and "amx_int8" not in flags
+
+
+def unsigned_activations() -> bool:
+    """XNNPACK converts dynamically quantized activations to unsigned (qdu8) where the CPU has VNNI."""
+    return bool({"avx512_vnni", "avx_vnni"} & cpu_flags())
 
 
 # --- activations: per-row parameters and quantization ----------------------------------------------------------
@@ -200,9 +223,10 @@ def xnnpack_linear(m: nn.Linear, unsigned: bool = True) -> nn.Module:
     return QC8WLinear(w.qdata, scale[:, 0], m.bias, unsigned)
 
 
-def reference(module: nn.Module, unsigned: bool = True) -> nn.Module:
+def reference(module: nn.Module, unsigned: bool | None = None) -> nn.Module:
     """A deep copy of a quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's
-    GEMMs do (qdu8 activations by default, as on x86 with AVX-512 VNNI; unsigned=False for qd8)."""
+    GEMMs do (qdu8 activations where this CPU has VNNI, qd8 elsewhere; or as `unsigned` says)."""
+    unsigned = unsigned_activations() if unsigned is None else unsigned
     ref = copy.deepcopy(module)
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
