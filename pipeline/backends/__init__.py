@@ -12,6 +12,7 @@ Each declares:
     setup()                  -- register the ops its programs and its lowering need
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower
+    lowering()               -- a context manager around that lowering (XNNPACK: its lean preprocess)
     executorch_config(cfg)   -- the ExecutorchBackendConfig of to_executorch
     handover(model, q)       -- the forms its lowering gets right, for the transformers exporter's route
     reference(module)        -- the eager module that computes what its programs compute (verify's same-quant

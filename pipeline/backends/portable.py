@@ -1,6 +1,8 @@
 """backend=portable: no delegate; every op runs on ExecuTorch's portable (and quantized) CPU kernels."""
 from __future__ import annotations
 
+import contextlib
+
 RUNTIME = "executorch"
 ASYMMETRIC_WEIGHTS = False  # kept simple: the schemes it runs are symmetric
 HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's route takes
@@ -32,6 +34,10 @@ def prepare(module, cfg) -> dict:
 
 def partition():
     return [], []
+
+
+def lowering():
+    return contextlib.nullcontext()
 
 
 def executorch_config(cfg):

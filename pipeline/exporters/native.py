@@ -110,9 +110,10 @@ def lower_program(ep, cfg, methods: dict):
     load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
     backend = BACKENDS[cfg.backend.name]
     partitioners, passes = backend.partition()
-    edge = to_edge_transform_and_lower(
-        ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
-        compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
+    with backend.lowering():
+        edge = to_edge_transform_and_lower(
+            ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
+            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
     report = delegation_report(edge)
     if backend.DELEGATES_MATMULS:
         refuse_undelegated_matmuls(report, v(cfg.export.dtype), v(cfg.backend.name))

@@ -7,6 +7,8 @@ example (extract_delegate_segments, graph inputs planned).
 """
 from __future__ import annotations
 
+import contextlib
+
 from pipeline.config import v
 
 RUNTIME = "mlx"           # no MLX runtime on Linux: our interpreter of the delegate payload
@@ -62,6 +64,10 @@ def partition():
     from executorch.backends.mlx import MLXPartitioner
     from executorch.backends.mlx.passes import get_default_passes
     return [MLXPartitioner()], get_default_passes()
+
+
+def lowering():
+    return contextlib.nullcontext()
 
 
 def executorch_config(cfg):

@@ -68,8 +68,15 @@ def prepare(module, cfg) -> dict:
 
 
 def partition():
+    from pipeline.backends.xnnpack.glue import delegable_glue
     from pipeline.backends.xnnpack.weight_only import partitioner, split_weight_only_linear_bias
-    return [partitioner()], [split_weight_only_linear_bias]
+    return [partitioner()], [split_weight_only_linear_bias, delegable_glue]
+
+
+def lowering():
+    """Preprocess without the XNNPACK passes that cannot change a partition (lean_preprocess.py)."""
+    from pipeline.backends.xnnpack.lean_preprocess import lean_preprocess
+    return lean_preprocess()
 
 
 def executorch_config(cfg):

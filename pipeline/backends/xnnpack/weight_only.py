@@ -113,10 +113,36 @@ class ExactGeluConfig(GeluConfig):
         return super().check_constraints(node, ep)
 
 
-def partitioner() -> XnnpackPartitioner:
+class OneDecompositionPartitioner(XnnpackPartitioner):
+    """XNNPACK's partitioner, minus a redundant whole-graph decomposition.
+
+    Why: a partitioner that hands `to_edge_transform_and_lower` a per-node check (XNNPACK's does) gets two extra
+    decompositions of the whole program: one keeping the ops it asked to keep, then one with the full table after
+    hiding the kept nodes its check accepts, to decompose the kept nodes it refuses. When it refuses none of the
+    nodes the full table would decompose, that second pass changes nothing but costs a re-trace (SmolLM2: ~30 s);
+    answering without the check then takes ExecuTorch's one-decomposition path, with the same ops kept."""
+
+    def ops_to_not_decompose(self, ep):
+        from executorch.exir.program._program import (_default_decomposition_table,
+                                                      _remove_invalid_ops_for_not_decompose)
+        ops, check = super().ops_to_not_decompose(ep)
+        if check is None:
+            return ops, check
+        decomposable = set(ops) & set(_default_decomposition_table())
+        if any(n.op == "call_function" and n.target in decomposable and not check(n) for n in ep.graph.nodes):
+            return ops, check
+        return _remove_invalid_ops_for_not_decompose(list(ops)), None
+
+
+def configs() -> list:
+    """XNNPACK's partitioner configs with this module's safe ones in place of the stock ones."""
     swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig,
             GeluConfig: ExactGeluConfig}
-    return XnnpackPartitioner(configs=[swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS], enable_bf16=True)
+    return [swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS]
+
+
+def partitioner() -> XnnpackPartitioner:
+    return OneDecompositionPartitioner(configs=configs(), enable_bf16=True)
 
 
 def split_weight_only_linear_bias(gm: torch.fx.GraphModule) -> PassResult:

@@ -1,0 +1,141 @@
+"""How the XNNPACK backend lowers: the glue between matmuls inside the delegate (pipeline/backends/xnnpack/glue.py),
+and the lean preprocess + one-decomposition partitioner giving the stock lowering's bytes
+(pipeline/backends/xnnpack/lean_preprocess.py, weight_only.OneDecompositionPartitioner)."""
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import build, stage_path
+
+
+class Glue(nn.Module):
+    """An RMSNorm, a head split, RoPE (cos/sin unsqueezed, rotate_half) and a tanh GELU, T dynamic."""
+
+    def __init__(self, heads=2, dim=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.dim = heads, dim
+        self.proj = nn.Linear(heads * dim, heads * dim)
+        self.norm = nn.Parameter(torch.rand(heads * dim) + 0.5)
+
+    def forward(self, x, cos, sin):
+        t = x.shape[1]
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        q = self.proj(x).view(1, t, self.heads, self.dim).transpose(1, 2)
+        half = self.dim // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        q = q * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+        out = q.transpose(1, 2).reshape(1, t, self.heads * self.dim)
+        return nn.functional.gelu(out, approximate="tanh")
+
+
+def _lower(module, example, dynamic, passes):
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+
+    from pipeline.backends.xnnpack.weight_only import partitioner
+    ep = torch.export.export(module, example, dynamic_shapes=dynamic, strict=True)
+    edge = to_edge_transform_and_lower(ep, partitioner=[partitioner()], transform_passes=passes,
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                                        _skip_dim_order=True))
+    outside = [str(n.target) for n in edge.exported_program().graph.nodes
+               if n.op == "call_function" and "executorch_call_delegate" not in str(n.target)
+               and "getitem" not in str(n.target)]
+    buffer = edge.to_executorch().buffer
+    program = Runtime.get().load_program(buffer)
+    method = program.load_method("forward")
+    method.keep = (buffer, program)  # the runtime reads the program's bytes in place
+    return method, outside
+
+
+def test_the_glue_lowers_inside_one_delegate_call_and_computes_the_same():
+    from pipeline.backends.xnnpack.glue import delegable_glue
+    module = Glue().eval()
+    T = torch.export.Dim("T", min=1, max=16)
+    example = (torch.randn(1, 4, 32), torch.randn(1, 4, 16), torch.randn(1, 4, 16))
+    glued, outside = _lower(module, example, ({1: T}, {1: T}, {1: T}), [delegable_glue])
+    assert outside == []
+    stock, stock_outside = _lower(module, example, ({1: T}, {1: T}, {1: T}), None)
+    assert len(stock_outside) >= 6  # mean, views, unsqueezes, slices, the tanh GELU: each a split in the delegate
+    for t in (1, 5, 16):
+        x, cos, sin = torch.randn(1, t, 32), torch.randn(1, t, 16), torch.randn(1, t, 16)
+        want = module(x, cos, sin)
+        got = glued.execute([x, cos, sin])[0]
+        assert (got - want).abs().max().item() < 1e-5, t
+        assert (got - stock.execute([x, cos, sin])[0]).abs().max().item() < 1e-5, t
+
+
+def test_rotate_half_as_a_matmul_is_exact():
+    from pipeline.backends.xnnpack.glue import delegable_glue
+
+    class Rot(nn.Module):
+        def forward(self, q):
+            return torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
+    T = torch.export.Dim("T", min=1, max=16)
+    method, outside = _lower(Rot(), (torch.randn(1, 2, 4, 16),), ({2: T},), [delegable_glue])
+    assert outside == []
+    q = torch.randn(1, 2, 7, 16) * 1e3
+    assert torch.equal(method.execute([q])[0], Rot()(q))
+
+
+@pytest.fixture(scope="module")
+def tiny_custom():
+    """tiny Llama 8da4w (the default's quantization) with the custom cache: its lower.json."""
+    m = build("tiny_llama_custom", "quantize=8da4w_mixed", stages=("download", "wrap", "quantize", "export", "lower"))
+    return m
+
+
+def test_a_decoder_layer_is_one_delegate_call(tiny_custom):
+    report = json.loads((stage_path(tiny_custom, "lower") / "lower.json").read_text())
+    layers = tiny_custom["config"]["model"]["random"]["num_hidden_layers"]
+    outside = {op: b["non_delegated"] for op, b in report["by_op"].items() if b["non_delegated"] and op != "getitem"}
+    # split by each layer's attention op, plus the RoPE angles before the first layer and the lm_head after the
+    # last row's slice (once per forward)
+    assert report["delegated_subgraphs"] == layers + 3
+    assert outside.pop("auto_functionalized_v2") == layers
+    # what stays outside is computed once per forward, before the first layer (positions, embedding, RoPE angles)
+    # and one view of the positions per layer
+    assert outside.pop("aten_view_copy_default") <= layers + 1
+    assert sum(outside.values()) <= 7, outside
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("tiny_llama_custom", ("quantize=8da4w_mixed",)),   # dynamic activations, the custom op, the glue
+    ("tiny_gemma3_offgraph", ()),                        # fp32, rings, tanh GELU
+    ("tiny_llama_xnnpack", ("quantize=8w",)),            # static cache (softmax: the stock passes), weight-only
+])
+def test_lean_lowering_gives_the_stock_bytes(recipe, overrides):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    from pipeline.backends import BACKENDS
+    from pipeline.backends.xnnpack import weight_only
+    from pipeline.backends.xnnpack.lean_preprocess import lean_preprocess
+    from pipeline.runtimes.executorch import load_kernels
+    from tests.helpers import compose_cfg
+    load_kernels()
+    m = build(recipe, *overrides, stages=("download", "wrap", "quantize", "export"))
+    cfg = compose_cfg(f"recipe={recipe}", *overrides)
+    path = stage_path(m, "export") / "program.pt2"
+    _, passes = BACKENDS["xnnpack"].partition()
+    config = BACKENDS["xnnpack"].executorch_config(cfg)
+    compile_config = EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)
+
+    def lowered(partitioner, lean: bool) -> bytes:
+        ep = torch.export.load(path)
+        with lean_preprocess() if lean else contextlib.nullcontext() as stats:
+            edge = to_edge_transform_and_lower(ep, partitioner=[partitioner], transform_passes=passes,
+                                               compile_config=compile_config)
+        return edge.to_executorch(config).buffer, dict(stats or {})
+
+    ours, stats = lowered(weight_only.partitioner(), lean=True)
+    stock, _ = lowered(XnnpackPartitioner(configs=weight_only.configs(), enable_bf16=True), lean=False)
+    assert ours == stock
+    assert stats["partitions"] > 0
+    if recipe != "tiny_llama_xnnpack":
+        assert stats["lean"] == stats["partitions"] and stats["passes_skipped"] > stats["passes_run"]
