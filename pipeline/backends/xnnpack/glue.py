@@ -7,7 +7,7 @@ token; lowering time grows with the count too, each partition being preprocessed
   symbolic one becomes -1 (the others are static in these graphs);
 - `unsqueeze` anywhere but the last dimension (RoPE's cos/sin): the same reshape;
 - RMSNorm's `mean(x^2, -1, keepdim)` (XNNPACK's mean is a 4-d global pooling over the two inner dimensions): a
-  matmul with a column of ones, then a division by the width;
+  matmul with a column of ones, then a division by the width (fp32 only: HF's norms compute in fp32 anyway);
 - RoPE's `rotate_half`, `cat(-x[..., D/2:], x[..., :D/2])`: slices of a dynamic shape are refused; it is a
   matmul with a constant signed permutation, exact in any float type (one non-zero product per output);
 - the tanh GELU of Gemma's MLPs, which XNNPACK's erf GELU cannot run (weight_only.ExactGeluConfig keeps it out):
@@ -99,6 +99,8 @@ def _means(gm: GraphModule) -> int:
             continue
         width = shape[-1]
         dtype = x.meta["val"].dtype
+        if dtype != torch.float32:  # a half GEMM may accumulate in half: a sum of squares would overflow
+            continue
         ones = _constant(gm, n, "glue_ones", torch.ones(1, width, dtype=dtype))
         with gm.graph.inserting_before(n):
             total = gm.graph.call_function(ops.linear.default, (x, ones))
