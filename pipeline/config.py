@@ -154,6 +154,9 @@ class CacheConfig:
     # (pipeline/model/cache_modes/<mode>.py: FLAGS) and checked by preflight
     custom_sdpa: bool = False
     custom_kv_cache: bool = False
+    # K/V storage of the in-graph fused cache (custom, both flags): null = export.dtype. Half storage halves the
+    # bytes attention reads per token; off-graph programs choose theirs at run time (verify.runtime.kv_storage_dtype)
+    kv_dtype: Optional[DType] = None
 
 
 @dataclass

@@ -136,6 +136,11 @@ def cache_problems(cfg) -> Problems:
     if why:
         return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
                  f"backend={v(cfg.backend.name)} refuses it with cache.mode={mode}: {why}")]
+    kv_dtype = cfg.cache.kv_dtype
+    if kv_dtype is not None:
+        why = CACHE_MODES[mode].kv_dtype_refused(got) or BACKENDS[cfg.backend.name].refuses_kv_dtype()
+        if why:
+            return [("cache.kv_dtype", v(kv_dtype), f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
     return []
 
 

@@ -26,6 +26,11 @@ CASES = {
                           ["model.path", "/nonexistent/model.gguf", "no such GGUF file"]),
     "package not installed": (["recipe=smollm2_xnnpack", "model.package=no-such-model-package"],
                               ["model.package", "no-such-model-package", "not installed"]),
+    "kv dtype, off-graph": (["recipe=tiny_llama_offgraph", "cache.kv_dtype=fp16"],
+                            ["cache.kv_dtype='fp16'", "verify.runtime.kv_storage_dtype"]),
+    "kv dtype, one custom op": (["recipe=tiny_llama_custom", "cache.custom_kv_cache=false", "cache.kv_dtype=bf16"],
+                                ["cache.kv_dtype='bf16'", "needs both custom_sdpa and custom_kv_cache"]),
+    "kv dtype, mlx": (["recipe=tiny_llama_mlx", "cache.kv_dtype=fp16"], ["cache.kv_dtype='fp16'", "MLX's cache ops"]),
     "output outside outputs/": (["recipe=tiny_llama_xnnpack", "run.output_dir=/tmp/elsewhere"],
                                 ["run.output_dir", "/tmp/elsewhere", "must be inside"]),
 }

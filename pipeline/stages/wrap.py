@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from pipeline.abi import DTYPES
 from pipeline.config import v
 from pipeline.model.cache_modes import flags, wrap
 from pipeline.model.loading import load_hf_model
@@ -38,7 +39,9 @@ def run(ctx) -> dict:
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
-    module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache))
+    kv_dtype = ctx.cfg.cache.kv_dtype
+    module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
+                  DTYPES[v(kv_dtype)] if kv_dtype is not None else None)
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     tol = SELF_CHECK_TOL[dtype] * max(check["logit_scale"], SCALE_FLOOR)

@@ -7,6 +7,8 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
+#include "kernels/simd_math.h"
+
 namespace llmrt::kv {
 
 using executorch::aten::BFloat16;
@@ -80,49 +82,106 @@ inline void store(void* p, int code, int64_t i, float x) {
   }
 }
 
-// Rows [r0, r1) of the segment's (head, query) grid; S is the storage type. Ttot is the step's row
-// count (q and out are [1,Hq,Ttot,*]).
-template <typename S>
-void attend_rows(const Segment& g, const Tensor& q, int64_t Ttot, float scale, void* out, int out_code,
-                 int64_t r0, int64_t r1) {
+// One storage row (D elements of type code `dtype`) as fp32: the row itself when stored as fp32, else
+// converted into buf.
+inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* buf) {
+  switch (dtype) {
+    case kFloat: return reinterpret_cast<const float*>(row);
+    case kHalf: simd::half_row(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
+    default: simd::bf16_row(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
+  }
+}
+
+constexpr int64_t kBlock = 32;  // keys per block of scores (online softmax)
+
+// What one work unit leaves for its rows: the running max and sum of its softmax and the unnormalized
+// output, per query head of the group.
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;  // [group][Dv]
+};
+
+// The attention of query row i of segment g, for the `group` query heads of KV head kh, over the visible keys
+// of split `split` of `splits` (an equal share of the visible range), online softmax in blocks of keys.
+// K and V rows are read (and converted from their storage type) once for the whole group.
+void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, int64_t kh, int64_t i, int split,
+                 int splits, Partial part, std::vector<float>& scratch) {
   const SlotView& s = g.view;
-  const int64_t T = g.T, D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), group = Hq / s.kv_heads;
+  const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), group = Hq / s.kv_heads;
   const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
-  const S* K = reinterpret_cast<const S*>(s.k);
-  const S* V = reinterpret_cast<const S*>(s.v);
+  const int es = element_size(s.dtype);
+  const int64_t qpos = g.pos + i;
+  int64_t lo = g.base;  // visible logical keys [lo, qpos]
+  if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
+  const int64_t n = qpos - lo + 1, per = (n + splits - 1) / splits;
+  const int64_t k0 = lo + std::min<int64_t>(n, per * split), k1 = lo + std::min<int64_t>(n, per * (split + 1));
+  // scratch: queries [group][D], scores [group][kBlock], K rows [kBlock][D], one V row [Dv]
+  scratch.resize(static_cast<size_t>(group * D + group * kBlock + kBlock * D + Dv));
+  float* qs = scratch.data();
+  float* sc = qs + group * D;
+  float* kbuf = sc + group * kBlock;
+  float* vbuf = kbuf + kBlock * D;
   const void* qd = q.const_data_ptr();
   const ScalarType qt = q.scalar_type();
-  std::vector<float> qrow(static_cast<size_t>(D)), scores(static_cast<size_t>(g.span())),
-      acc(static_cast<size_t>(Dv));
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t h = r / T, i = r % T, kh = h / group, qpos = g.pos + i;
-    const int64_t row = h * Ttot + g.row0 + i;  // in q and out
-    int64_t lo = g.base;  // visible logical keys [lo, qpos]
-    if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
-    for (int64_t d = 0; d < D; ++d) qrow[d] = load(qd, qt, row * D + d) * scale;
-    const float* qr = qrow.data();
+  for (int64_t h = 0; h < group; ++h) {
+    const int64_t row = (kh * group + h) * Ttot + g.row0 + i;
+    for (int64_t d = 0; d < D; ++d) qs[h * D + d] = load(qd, qt, row * D + d) * scale;
+    part.m[h] = -INFINITY;
+    part.l[h] = 0.f;
+    std::fill(part.acc + h * Dv, part.acc + (h + 1) * Dv, 0.f);
+  }
+  const float* krows[kBlock];
+  for (int64_t b0 = k0; b0 < k1; b0 += kBlock) {
+    const int64_t nb = std::min(kBlock, k1 - b0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* kr = s.k + (g.read[b0 + j - g.base] * kstride + kh * khead) * es;
+      krows[j] = as_float(kr, s.dtype, D, kbuf + j * D);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float* sh = sc + h * kBlock;
+      float mx = part.m[h];
+      for (int64_t j = 0; j < nb; ++j) {
+        sh[j] = simd::dot(qs + h * D, krows[j], D);
+        mx = std::max(mx, sh[j]);
+      }
+      const float corr = part.m[h] == -INFINITY ? 0.f : std::exp(part.m[h] - mx);
+      part.l[h] = part.l[h] * corr + simd::exp_sub_sum(sh, nb, mx);
+      part.m[h] = mx;
+      if (corr != 1.f)
+        for (int64_t d = 0; d < Dv; ++d) part.acc[h * Dv + d] *= corr;
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const uint8_t* vr = s.v + (g.read[b0 + j - g.base] * vstride + kh * vhead) * es;
+      const float* v = as_float(vr, s.dtype, Dv, vbuf);
+      for (int64_t h = 0; h < group; ++h) simd::add_scaled(part.acc + h * Dv, sc[h * kBlock + j], v, Dv);
+    }
+  }
+}
+
+// out row = acc / l, or the merge of a row's splits (each with its own max).
+void write_rows(const Segment& g, int64_t Hq, int64_t Ttot, int64_t kh, int64_t i, int splits, const float* m,
+                const float* l, const float* acc, int64_t group, void* out, int out_code) {
+  const int64_t Dv = g.view.v_dim;
+  for (int64_t h = 0; h < group; ++h) {
+    const int64_t row = (kh * group + h) * Ttot + g.row0 + i;
     float mx = -INFINITY;
-    for (int64_t key = lo; key <= qpos; ++key) {
-      const S* kr = K + g.read[key - g.base] * kstride + kh * khead;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qr[d] * static_cast<float>(kr[d]);
-      scores[key - lo] = dot;
-      mx = std::max(mx, dot);
+    for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, m[sp * group + h]);
+    float total = 0.f;
+    float w[64];
+    for (int sp = 0; sp < splits; ++sp) {
+      const float ms = m[sp * group + h];
+      w[sp] = ms == -INFINITY ? 0.f : std::exp(ms - mx);
+      total += w[sp] * l[sp * group + h];
     }
-    float sum = 0.f;
-    float* a = acc.data();
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t key = lo; key <= qpos; ++key) {
-      const float e = std::exp(scores[key - lo] - mx);
-      sum += e;
-      const S* vr = V + g.read[key - g.base] * vstride + kh * vhead;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) a[d] += e * static_cast<float>(vr[d]);
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < Dv; ++d) {
+      float x = 0.f;
+      for (int sp = 0; sp < splits; ++sp) x += w[sp] * acc[(sp * group + h) * Dv + d];
+      store(out, out_code, row * Dv + d, x * inv);
     }
-    const float inv = 1.f / sum;
-    for (int64_t d = 0; d < Dv; ++d) store(out, out_code, row * Dv + d, a[d] * inv);
+    (void)Hq;
   }
 }
 
@@ -214,29 +273,74 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
 
 void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
   const int64_t Hq = q.size(1), Ttot = q.size(2);
-  // segment g owns work rows [first[g], first[g+1]) of the flattened (segment, head, query) grid
+  // work units: (segment, KV head, query row, key split); a query head group shares each K/V row it reads.
+  // Few rows (decode) split the keys so every thread has work; the splits are merged after.
+  const int64_t threads = std::max<int64_t>(1, executorch::extension::get_thread_count());
   std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
-  int64_t widest = 1;
+  int64_t rows = 0, widest = 1;
   for (int g = 0; g < n; ++g) {
-    first[g + 1] = first[g] + Hq * segs[g].T;
-    widest = std::max(widest, segs[g].span() * (segs[g].view.head_dim + segs[g].view.v_dim));
+    rows += segs[g].view.kv_heads * segs[g].T;
+    widest = std::max(widest, segs[g].span());
   }
-  // enough keys x dims per task that the threadpool's dispatch is paid for
-  const int64_t grain = std::max<int64_t>(1, 32768 / widest);
-  auto body = [&](int64_t r0, int64_t r1) {
-    int g = static_cast<int>(std::upper_bound(first.begin(), first.end(), r0) - first.begin()) - 1;
-    for (; g < n && first[g] < r1; ++g) {
-      const int64_t a = std::max(r0, first[g]) - first[g], b = std::min(r1, first[g + 1]) - first[g];
-      const Segment& s = segs[g];
-      switch (s.view.dtype) {
-        case kFloat: attend_rows<float>(s, q, Ttot, scale, out, out_code, a, b); break;
-        case kHalf: attend_rows<Half>(s, q, Ttot, scale, out, out_code, a, b); break;
-        case kBFloat16: attend_rows<BFloat16>(s, q, Ttot, scale, out, out_code, a, b); break;
-        default: break;
-      }
+  int splits = 1;
+  while (splits < 64 && rows * splits < 2 * threads && widest / (2 * splits) >= 2 * kBlock) splits *= 2;
+  for (int g = 0; g < n; ++g) first[g + 1] = first[g] + segs[g].view.kv_heads * segs[g].T * splits;
+  // partials of every unit: m, l [units][group], acc [units][group][Dv]
+  int64_t group_max = 1, dv_max = 1;
+  for (int g = 0; g < n; ++g) {
+    group_max = std::max(group_max, Hq / segs[g].view.kv_heads);
+    dv_max = std::max(dv_max, segs[g].view.v_dim);
+  }
+  const int64_t units = first[n];
+  // split units keep their partials for the merge; unsplit ones write their rows at once from a local buffer
+  const int64_t kept = splits > 1 ? units : 0;
+  std::vector<float> m(static_cast<size_t>(kept * group_max)), l(m.size()),
+      acc(static_cast<size_t>(kept * group_max * dv_max));
+  auto unit_of = [&](int64_t u, int* g, int64_t* kh, int64_t* i, int* sp) {
+    *g = static_cast<int>(std::upper_bound(first.begin(), first.end(), u) - first.begin()) - 1;
+    const int64_t local = u - first[*g];
+    *sp = static_cast<int>(local % splits);
+    const int64_t r = local / splits;
+    *i = r % segs[*g].T;
+    *kh = r / segs[*g].T;
+  };
+  auto body = [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch, local(splits > 1 ? 0 : static_cast<size_t>(group_max * (2 + dv_max)));
+    for (int64_t u = u0; u < u1; ++u) {
+      int g, sp;
+      int64_t kh, i;
+      unit_of(u, &g, &kh, &i, &sp);
+      Partial part = splits > 1 ? Partial{m.data() + u * group_max, l.data() + u * group_max,
+                                          acc.data() + u * group_max * dv_max}
+                                : Partial{local.data(), local.data() + group_max, local.data() + 2 * group_max};
+      const int64_t group = Hq / segs[g].view.kv_heads;
+      attend_unit(segs[g], q, Ttot, scale, kh, i, sp, splits, part, scratch);
+      if (splits == 1)
+        write_rows(segs[g], Hq, Ttot, kh, i, 1, part.m, part.l, part.acc, group, out, out_code);
     }
   };
-  executorch::extension::parallel_for(0, first[n], grain, body);
+  executorch::extension::parallel_for(0, units, 1, body);
+  if (splits == 1) return;
+  // merge: unit (g, kh, i, sp) sits at first[g] + (kh * T + i) * splits + sp
+  std::vector<float> mm, ll, aa;
+  for (int g = 0; g < n; ++g) {
+    const int64_t group = Hq / segs[g].view.kv_heads, Dv = segs[g].view.v_dim;
+    mm.resize(static_cast<size_t>(splits * group));
+    ll.resize(mm.size());
+    aa.resize(static_cast<size_t>(splits * group * Dv));
+    for (int64_t r = 0; r < segs[g].view.kv_heads * segs[g].T; ++r) {
+      for (int sp = 0; sp < splits; ++sp) {
+        const int64_t u = first[g] + r * splits + sp;
+        for (int64_t h = 0; h < group; ++h) {
+          mm[sp * group + h] = m[u * group_max + h];
+          ll[sp * group + h] = l[u * group_max + h];
+          std::copy_n(acc.data() + u * group_max * dv_max + h * Dv, Dv, aa.data() + (sp * group + h) * Dv);
+        }
+      }
+      write_rows(segs[g], Hq, Ttot, r / segs[g].T, r % segs[g].T, splits, mm.data(), ll.data(), aa.data(), group,
+                 out, out_code);
+    }
+  }
 }
 
 void write_step(const SlotView& s, const Plan& p, const Tensor& k, const Tensor& v) {

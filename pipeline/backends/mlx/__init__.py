@@ -43,6 +43,10 @@ def refuses_cache(mode: str, flags: dict) -> str | None:
     return None
 
 
+def refuses_kv_dtype() -> str | None:
+    return "MLX's cache ops (mlx::kv_cache_update, mlx::custom_sdpa) keep the activation dtype"
+
+
 def setup() -> None:
     from pipeline.backends.mlx import schema
     schema.ensure()  # the wheel lacks the generated schema modules until this runs once

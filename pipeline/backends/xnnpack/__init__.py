@@ -49,6 +49,11 @@ def refuses_cache(mode: str, flags: dict) -> str | None:
     return None
 
 
+def refuses_kv_dtype() -> str | None:
+    """Why cache.kv_dtype cannot set the in-graph cache's storage here (None: the fused op converts on write)."""
+    return None
+
+
 def setup() -> None:
     pass
 

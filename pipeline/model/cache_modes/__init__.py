@@ -7,7 +7,9 @@ Each module declares:
     KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
-    wrap(model, context, logits_mode, chunk, flags) -> the runner-layout module (tokens, positions) -> logits
+    kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
+    wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->
+                              logits (kv_dtype: a torch dtype for the K/V buffers, or None)
     constant_methods(text_config, context, chunk, flags) -> the constant methods the mode adds to the .pte
 """
 from __future__ import annotations
@@ -23,8 +25,12 @@ def flags(cache) -> dict:
     return {"custom_sdpa": bool(cache.custom_sdpa), "custom_kv_cache": bool(cache.custom_kv_cache)}
 
 
-def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None, mode_flags: dict | None = None):
+def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None, mode_flags: dict | None = None,
+         kv_dtype=None):
     """The runner-layout module of `mode` over an HF causal LM, in eval mode (rings sized by the chunk);
-    mode_flags None: the mode's default flags."""
+    mode_flags None: the mode's default flags; kv_dtype None: the K/V buffers in the model's dtype."""
     m = CACHE_MODES[mode]
-    return m.wrap(model, context, logits_mode, chunk or context, mode_flags or m.FLAGS[0]).eval()
+    flags_ = mode_flags or m.FLAGS[0]
+    if kv_dtype is not None and m.kv_dtype_refused(flags_):
+        raise ValueError(f"cache.mode={mode}: {m.kv_dtype_refused(flags_)}")
+    return m.wrap(model, context, logits_mode, chunk or context, flags_, kv_dtype).eval()

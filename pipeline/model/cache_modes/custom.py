@@ -154,17 +154,17 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 class CustomCacheLM(HookedAttentionLM):
     """Runner layout over an HF causal LM with an in-graph cache and one fused op per attention layer.
 
-    Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype) and its
+    Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype or kv_dtype) and its
     window; sliding layers hold a ring of min(window + chunk - 1, context) slots. A step at any position
     overwrites what follows it, so a rerun from 0 simply starts a new sequence.
     """
 
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last", *,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, kv_dtype: Optional[torch.dtype] = None):
         super().__init__(model, logits_mode, ATTN_IMPL, _custom_attention)
         layout = cache_layout(model.config.get_text_config())
         chunk = prefill_chunk or max_context_len
-        dtype = next(model.parameters()).dtype
+        dtype = kv_dtype or next(model.parameters()).dtype
         self.slots = []
         layers = attention_layers(model)
         for m in layers:
@@ -193,9 +193,16 @@ class CustomCacheLM(HookedAttentionLM):
                 b.zero_()
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
+def kv_dtype_refused(flags: dict) -> str | None:
     if fused(flags):
-        return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk)
+        return None
+    return ("either op alone works on HF's static cache, in the activation dtype: cache.kv_dtype needs both "
+            "custom_sdpa and custom_kv_cache")
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict, kv_dtype=None) -> nn.Module:
+    if fused(flags):
+        return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk, kv_dtype=kv_dtype)
     from pipeline.model import custom_ops
     if flags["custom_sdpa"]:
         return custom_ops.SdpaStaticCacheLM(model, context, logits_mode)

@@ -185,5 +185,10 @@ class OffgraphLM(HookedAttentionLM):
         self.cache.reset()
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
+def kv_dtype_refused(flags: dict) -> str | None:
+    return ("the runtime owns the storage and picks its dtype per run: verify.runtime.kv_storage_dtype, the runners' "
+            "--kv-storage-dtype")
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict, kv_dtype=None) -> nn.Module:
     return OffgraphLM(model, context, logits_mode, prefill_chunk=chunk)

@@ -84,7 +84,11 @@ def rings(flags: dict) -> bool:
     return False  # sliding layers keep the whole context
 
 
-def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict) -> nn.Module:
+def kv_dtype_refused(flags: dict) -> str | None:
+    return "HF's static cache keeps the activation dtype (cache.kv_dtype is the fused custom cache's)"
+
+
+def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict, kv_dtype=None) -> nn.Module:
     return StaticCacheLM(model, context, logits_mode)
 
 

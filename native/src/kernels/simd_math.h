@@ -1,0 +1,150 @@
+// The attention core's inner loops over a head dimension or a block of scores: dot, scaled add, row
+// conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C where the build enables them
+// (native/CMakeLists.txt compiles kv_attention.cpp for the building machine), scalar otherwise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLMPIPE_AVX2 1
+#endif
+
+namespace llmrt::kv::simd {
+
+#ifdef LLMPIPE_AVX2
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+// sum_d a[d] * b[d]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float tail = 0.f;
+#ifdef LLMPIPE_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  tail = hsum(_mm256_add_ps(s0, s1));
+#endif
+  for (; d < n; ++d) tail += a[d] * b[d];
+  return tail;
+}
+
+// y[d] = y[d] * c + w * x[d]
+inline void scale_add(float* y, float c, float w, const float* x, int64_t n) {
+  int64_t d = 0;
+#ifdef LLMPIPE_AVX2
+  const __m256 vc = _mm256_set1_ps(c), vw = _mm256_set1_ps(w);
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + d), _mm256_mul_ps(vc, _mm256_loadu_ps(y + d))));
+#endif
+  for (; d < n; ++d) y[d] = y[d] * c + w * x[d];
+}
+
+// y[d] += w * x[d]
+inline void add_scaled(float* y, float w, const float* x, int64_t n) {
+  int64_t d = 0;
+#ifdef LLMPIPE_AVX2
+  const __m256 vw = _mm256_set1_ps(w);
+  for (; d + 8 <= n; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+#endif
+  for (; d < n; ++d) y[d] += w * x[d];
+}
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400) == 0);
+    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// n fp16 values (IEEE half bits) to fp32
+inline void half_row(const uint16_t* x, float* y, int64_t n) {
+  int64_t d = 0;
+#if defined(LLMPIPE_AVX2) && defined(__F16C__)
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
+#endif
+  for (; d < n; ++d) y[d] = half_to_float(x[d]);
+}
+
+// n bf16 values to fp32 (the upper half of an fp32)
+inline void bf16_row(const uint16_t* x, float* y, int64_t n) {
+  int64_t d = 0;
+#ifdef LLMPIPE_AVX2
+  for (; d + 8 <= n; d += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+    _mm256_storeu_ps(y + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+#endif
+  for (; d < n; ++d) {
+    const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
+    std::memcpy(y + d, &bits, 4);
+  }
+}
+
+#ifdef LLMPIPE_AVX2
+// exp on 8 lanes, inputs <= 0 (scores minus their max): 2^n * p(r), r in [-ln2/2, ln2/2], relative error ~2e-7
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+  __m256 p = _mm256_set1_ps(1.98756912e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.39819994e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33345205e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16657962e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666657e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// x[i] = exp(x[i] - m); returns the sum
+inline float exp_sub_sum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef LLMPIPE_AVX2
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    sum += x[i];
+  }
+  return sum;
+}
+
+}  // namespace llmrt::kv::simd
