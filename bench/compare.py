@@ -1,17 +1,25 @@
-"""Our C++ runner vs llama.cpp vs HF transformers eager, on the same model, prompt and thread count
-(a benchmark, not a test).
+"""Our C++ runner vs llama.cpp on the same model: the package's GGUF and its Q4_0 requantization (llama.cpp's
+fastest x86 format, the anchor), at 1 and 2 threads (a benchmark, not a test).
 
     pip install -e ".[bench]"            # llama-cpp-python (compiles llama.cpp, a few minutes)
-    python bench/compare.py              # both models, 3 alternating rounds, 2 threads
-    python bench/compare.py --models smollm2 --rounds 5 --prompt-tokens 400 --new-tokens 128
+    python bench/compare.py              # both models, 3 alternating rounds, 1 and 2 threads
+    python bench/compare.py --models smollm2 --threads 2 --rounds 5
+    python bench/compare.py --engines ours,eager          # without llama.cpp
 
-Engines, each in its own process per run (so peak RSS is its own), alternating within each round:
-- ours: llm_runner on the pipeline's best recipe for the model (built through the stage cache),
-- llama.cpp: llama-cpp-python on the very GGUF file the model came from,
-- eager: HF transformers on the dequantized model (fp32, HF's own cache).
-All get the same prompt token ids and generate greedily with end-of-sequence ignored. Prints medians of
-prefill tok/s, decode tok/s, time to first token and peak RSS, and the ratios ours/llama.cpp and
-ours/eager; writes outputs/bench/latest.json.
+Scenarios, llama-bench style, every engine given the same token ids and decoding greedily with EOS ignored:
+- pp512: prefill of a 512-token prompt (the recipe's context permitting: pp<n> names what ran);
+- tg128: 128 tokens decoded from a 1-token prompt;
+- d16 / deep: 64 tokens decoded after a 16-token prompt, and after a prompt that fills the recipe's context
+  up to those 64 (the deepest decode the program allows: SmolLM2 ~450-512 positions, gemma3 ~960-1024);
+  deep/d16 is how much decode speed survives depth.
+Engines, each run in its own process (so peak RSS is its own), alternating within each round:
+- ours: llm_runner on the model's best recipe (built through the stage cache),
+- llama.cpp: llama-cpp-python on the GGUF file the model came from,
+- llama.cpp-q4_0: the same GGUF requantized to Q4_0 (llama_model_quantize, requantize allowed; cached in
+  outputs/bench/gguf/),
+- eager: HF transformers on the dequantized model (fp32, HF's own cache; off by default, slow).
+Prints medians per scenario and the ratios ours / llama.cpp-q4_0 (and / llama.cpp); writes
+outputs/bench/latest.json, whose `ratios` are against llama.cpp's fastest format.
 """
 from __future__ import annotations
 
@@ -31,81 +39,121 @@ BEST = {"smollm2": ["recipe=smollm2_custom"], "gemma3": ["recipe=gemma3_offgraph
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
         "cheaper to produce and easier to share. Within a few decades, printers across Europe were "
         "publishing bibles, grammars, calendars and pamphlets, and the number of readers grew with them. ")
-ENGINES = ("ours", "llama.cpp", "eager")
+ENGINES = ("ours", "llama.cpp", "llama.cpp-q4_0", "eager")
+DEFAULT_ENGINES = ("ours", "llama.cpp", "llama.cpp-q4_0")
+ANCHOR = "llama.cpp-q4_0"
+Q4_0 = 2  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
+DECODE = 64  # tokens decoded in the depth scenarios
+
+
+def scenarios(context: int) -> dict[str, tuple[int, int]]:
+    """name -> (prompt tokens, new tokens) within the program's context."""
+    pp = min(512, context - 2)
+    return {f"pp{pp}": (pp, 1), "tg128": (1, 128), "d16": (16, DECODE), "deep": (context - DECODE - 1, DECODE)}
 
 
 # --------------------------------------------------------------------------------------------------
-# workers (one process per run)
+# workers (one process per engine and round: every scenario in it, one model load)
 # --------------------------------------------------------------------------------------------------
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def work_llama_cpp(gguf: str, ids: list[int], new: int, threads: int) -> dict:
+def work_llama_cpp(gguf: str, jobs: dict, threads: int) -> dict:
     import numpy as np
     from llama_cpp import Llama
-    llm = Llama(model_path=gguf, n_ctx=len(ids) + new + 8, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
-    llm.eval(ids[:8])  # warm-up, then start over
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t1 = time.perf_counter()
+    n_ctx = max(len(ids) + new for ids, new in jobs.values()) + 8
+    llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False)
     n_vocab = llm.n_vocab()
 
     def last_logits():  # without logits_all, llama-cpp-python leaves Llama.scores unfilled: read the context's
         return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
 
-    out = []
-    for _ in range(new):
-        tok = int(np.argmax(last_logits()))
-        out.append(tok)
-        llm.eval([tok])
-    t2 = time.perf_counter()
-    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": new / (t2 - t1),
-            "ttft_ms": (t1 - t0) * 1000, "peak_rss_mib": peak_rss_mib(), "generated_ids": out}
+    llm.eval(list(jobs.values())[0][0][:8])  # warm-up
+    out = {}
+    for name, (ids, new) in jobs.items():
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        gen = []
+        for _ in range(new):
+            tok = int(np.argmax(last_logits()))
+            gen.append(tok)
+            if len(gen) < new:
+                llm.eval([tok])
+        t2 = time.perf_counter()
+        out[name] = {"prefill_tok_s": len(ids) / (t1 - t0), "ttft_ms": (t1 - t0) * 1000,
+                     "decode_tok_s": (new - 1) / (t2 - t1) if new > 1 else None, "generated_ids": gen}
+    return {"scenarios": out, "peak_rss_mib": peak_rss_mib()}
 
 
-def work_eager(model_dir: str, ids: list[int], new: int, threads: int) -> dict:
+def work_eager(model_dir: str, jobs: dict, threads: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
     with torch.no_grad():
-        model(torch.tensor([ids[:8]]))  # warm-up
-        t0 = time.perf_counter()
-        out = model(torch.tensor([ids]), use_cache=True)
-        t1 = time.perf_counter()
-        cache, logits, gen = out.past_key_values, out.logits[0, -1], []
-        for i in range(new):
-            tok = int(logits.argmax())
-            gen.append(tok)
-            out = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[0, -1]
-        t2 = time.perf_counter()
-    return {"prefill_tok_s": len(ids) / (t1 - t0), "decode_tok_s": new / (t2 - t1),
-            "ttft_ms": (t1 - t0) * 1000, "peak_rss_mib": peak_rss_mib(), "generated_ids": gen}
+        model(torch.tensor([list(jobs.values())[0][0][:8]]))  # warm-up
+        for name, (ids, new) in jobs.items():
+            t0 = time.perf_counter()
+            res = model(torch.tensor([ids]), use_cache=True)
+            t1 = time.perf_counter()
+            cache, logits, gen = res.past_key_values, res.logits[0, -1], []
+            for _ in range(new):
+                tok = int(logits.argmax())
+                gen.append(tok)
+                if len(gen) < new:
+                    res = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+                    cache, logits = res.past_key_values, res.logits[0, -1]
+            t2 = time.perf_counter()
+            out[name] = {"prefill_tok_s": len(ids) / (t1 - t0), "ttft_ms": (t1 - t0) * 1000,
+                         "decode_tok_s": (new - 1) / (t2 - t1) if new > 1 else None, "generated_ids": gen}
+    return {"scenarios": out, "peak_rss_mib": peak_rss_mib()}
 
 
-def run_ours(m: dict, ids: list[int], new: int, threads: int) -> dict:
+def run_ours(m: dict, jobs: dict, threads: int) -> dict:
     from pipeline import native
-    extra = ["--ignore-eos", "--warmup", "--threads", str(threads), *native.cache_args(m)]
-    s = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new, extra_args=extra)
-    return {k: s[k] for k in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "peak_rss_mib", "generated_ids")}
+    out, peak = {}, 0.0
+    for name, (ids, new) in jobs.items():
+        extra = ["--ignore-eos", "--warmup", "--threads", str(threads), *native.cache_args(m)]
+        s = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new, extra_args=extra)
+        out[name] = {"prefill_tok_s": s["prefill_tok_s"], "ttft_ms": s["ttft_ms"],
+                     "decode_tok_s": s["decode_tok_s"] if new > 1 else None, "generated_ids": s["generated_ids"]}
+        peak = max(peak, s["peak_rss_mib"])
+    return {"scenarios": out, "peak_rss_mib": peak}
 
 
-def run_worker(engine: str, source: str, ids: list[int], new: int, threads: int) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--source", source, "--ids",
-                        ",".join(map(str, ids)), "--new-tokens", str(new), "--threads", str(threads)],
-                       capture_output=True, text=True, timeout=1800)
+def run_worker(engine: str, source: str, jobs: dict, threads: int) -> dict:
+    spec = json.dumps({name: [ids, new] for name, (ids, new) in jobs.items()})
+    r = subprocess.run([sys.executable, __file__, "--worker", engine, "--source", source, "--threads", str(threads)],
+                       input=spec, capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------------------------------
-# setup: the pipeline build, the GGUF file, the prompt
+# setup: the pipeline build, the GGUF files, the prompts
 # --------------------------------------------------------------------------------------------------
+def q4_0_file(gguf: Path) -> Path:
+    """The GGUF requantized to Q4_0 (once; outputs/bench/gguf/<name>-q4_0.gguf)."""
+    import llama_cpp
+    out = ROOT / "outputs" / "bench" / "gguf" / f"{gguf.stem}-q4_0.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = Q4_0
+        params.allow_requantize = True
+        tmp = out.with_suffix(".tmp.gguf")
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), params) != 0:
+            sys.exit(f"llama_model_quantize failed on {gguf}")
+        tmp.replace(out)
+    return out
+
+
 def prompt_ids(m: dict, n: int) -> list[int]:
     from pipeline import native
     ids, text = [], TEXT
@@ -115,68 +163,80 @@ def prompt_ids(m: dict, n: int) -> list[int]:
     return ids[:n]
 
 
-def med(rs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rs)
+def med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3")
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt-tokens", type=int, default=400)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", default="1,2", help="comma list of thread counts, the same for every engine")
     ap.add_argument("--worker", choices=("llama.cpp", "eager"), help=argparse.SUPPRESS)
     ap.add_argument("--source", help=argparse.SUPPRESS)
-    ap.add_argument("--ids", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        ids = [int(x) for x in a.ids.split(",")]
+        jobs = {k: (ids, new) for k, (ids, new) in json.loads(sys.stdin.read()).items()}
         fn = work_llama_cpp if a.worker == "llama.cpp" else work_eager
-        print(json.dumps(fn(a.source, ids, a.new_tokens, a.threads)))
+        print(json.dumps(fn(a.source, jobs, int(a.threads))))
         return
     engines = a.engines.split(",")
-    if "llama.cpp" in engines:
+    if any(e.startswith("llama.cpp") for e in engines):
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
             sys.exit("llama.cpp needs llama-cpp-python: pip install -e '.[bench]' (or --engines ours,eager)")
-    latest = {"threads": a.threads, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-              "rounds": a.rounds, "models": {}}
+    thread_counts = [int(t) for t in a.threads.split(",")]
+    latest = {"threads": thread_counts, "rounds": a.rounds, "anchor": ANCHOR, "models": {}}
     for model in a.models.split(","):
         m = build(BEST[model])
-        ids = prompt_ids(m, a.prompt_tokens)
-        sources = {"ours": None, "llama.cpp": str(gguf_file(m)), "eager": m["model_dir"]}
-        runs: dict[str, list[dict]] = {e: [] for e in engines}
-        for r in range(a.rounds):
-            for e in engines:
-                runs[e].append(run_ours(m, ids, a.new_tokens, a.threads) if e == "ours"
-                               else run_worker(e, sources[e], ids, a.new_tokens, a.threads))
-            print(f"[{model}] round {r + 1}/{a.rounds}", flush=True)
-        rows = {e: {k: med(rs, k) for k in ("prefill_tok_s", "decode_tok_s", "ttft_ms", "peak_rss_mib")}
-                for e, rs in runs.items()}
-        if "eager" in runs:  # a sanity check that every engine ran the same model: leading greedy agreement
-            ref = runs["eager"][0]["generated_ids"]
-            for e in rows:
-                got = runs[e][0]["generated_ids"]
-                rows[e]["leading_tokens_equal_eager"] = next((i for i, (x, y) in enumerate(zip(got, ref)) if x != y),
-                                                             min(len(got), len(ref)))
+        context = m["config"]["export"]["max_context_len"]
+        plan = scenarios(context)
+        longest = prompt_ids(m, max(p for p, _ in plan.values()))
+        jobs = {name: (longest[:p], new) for name, (p, new) in plan.items()}
+        sources = {"llama.cpp": str(gguf_file(m)), "eager": m["model_dir"]}
+        if ANCHOR in engines:
+            sources[ANCHOR] = str(q4_0_file(Path(sources["llama.cpp"])))
+        rows: dict = {}
+        for threads in thread_counts:
+            runs: dict[str, list[dict]] = {e: [] for e in engines}
+            for r in range(a.rounds):
+                for e in engines:
+                    runs[e].append(run_ours(m, jobs, threads) if e == "ours" else
+                                   run_worker("eager" if e == "eager" else "llama.cpp", sources[e], jobs, threads))
+                print(f"[{model}] {threads} thread(s), round {r + 1}/{a.rounds}", flush=True)
+            for e, rs in runs.items():
+                row = {"peak_rss_mib": med([x["peak_rss_mib"] for x in rs])}
+                for name in plan:
+                    key = "prefill_tok_s" if name.startswith("pp") else "decode_tok_s"
+                    row[name] = med([x["scenarios"][name][key] for x in rs])
+                row["ttft_ms"] = med([x["scenarios"][next(iter(plan))]["ttft_ms"] for x in rs])
+                row["deep/d16"] = row["deep"] / row["d16"] if row["deep"] and row["d16"] else None
+                rows[f"{e} t{threads}"] = row
         ratios = {}
-        if "ours" in rows:
-            for other in (e for e in rows if e != "ours"):
-                ratios[f"ours/{other}"] = {k: rows["ours"][k] / rows[other][k] for k in ("prefill_tok_s", "decode_tok_s")}
-        latest["models"][model] = {"recipe": m["recipe"], "pte": m["pte"], "gguf": sources["llama.cpp"],
-                                   "engines": rows, "ratios": ratios}
-        print(f"\n{model} ({' '.join(BEST[model])}; GGUF {Path(sources['llama.cpp']).name}): prompt {len(ids)} tokens, "
-              f"{a.new_tokens} new, {a.threads} threads for every engine, medians of {a.rounds} alternating rounds")
-        print(f"  {'engine':<10} {'prefill tok/s':>13} {'decode tok/s':>12} {'TTFT ms':>9} {'peak RSS MiB':>12} "
-              f"{'= eager tokens':>14}")
-        for e, row in rows.items():
-            print(f"  {e:<10} {row['prefill_tok_s']:>13.1f} {row['decode_tok_s']:>12.1f} {row['ttft_ms']:>9.1f} "
-                  f"{row['peak_rss_mib']:>12.0f} {row.get('leading_tokens_equal_eager', '-'):>14}")
+        for threads in thread_counts:
+            for other in (e for e in engines if e != "ours"):
+                ours, them = rows.get(f"ours t{threads}"), rows[f"{other} t{threads}"]
+                if ours:
+                    ratios[f"ours/{other} t{threads}"] = {k: ours[k] / them[k] for k in plan if ours[k] and them[k]}
+        latest["models"][model] = {"recipe": m["recipe"], "pte": m["pte"], "context": context,
+                                   "scenarios": {k: {"prompt": p, "new": n} for k, (p, n) in plan.items()},
+                                   "gguf": sources, "engines": rows, "ratios": ratios}
+        names = list(plan)
+        print(f"\n{model} ({' '.join(BEST[model])}, context {context}; GGUF {Path(sources['llama.cpp']).name}): "
+              f"tok/s, medians of {a.rounds} alternating rounds; {', '.join(f'{k} = {p} + {n}' for k, (p, n) in plan.items())}")
+        print(f"  {'engine':<22}" + "".join(f"{n:>9}" for n in names) + f"{'deep/d16':>9}{'TTFT ms':>9}{'RSS MiB':>9}")
+        for name, row in rows.items():
+            print(f"  {name:<22}" + "".join(f"{fmt(row[n]):>9}" for n in names) +
+                  f"{row['deep/d16'] or 0:>9.2f}{fmt(row['ttft_ms']):>9}{row['peak_rss_mib']:>9.0f}")
         for name, rr in ratios.items():
-            print(f"  {name:<16} prefill x{rr['prefill_tok_s']:.2f}  decode x{rr['decode_tok_s']:.2f}")
+            print(f"  {name:<30}" + "  ".join(f"{k} x{v:.2f}" for k, v in rr.items()))
     out = ROOT / "outputs" / "bench" / "latest.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(latest, indent=2))

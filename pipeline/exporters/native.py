@@ -92,13 +92,22 @@ def constant_methods(ctx) -> dict:
                                                                 flags(ctx.cfg.cache))}
 
 
+# nodes outside a delegate that run no kernel (tuple unpacking, shape reads)
+NOT_KERNELS = ("getitem", "sym_size", "sym_numel", "sym_stride")
+
+
 def delegation_report(edge) -> dict:
+    """Delegation by op, and what one forward (one decoded token) executes: each delegated subgraph is one
+    delegate call, each other node with a kernel one portable (or custom) op."""
     from executorch.devtools.backend_debug import get_delegation_info
     info = get_delegation_info(edge.exported_program().graph_module)
+    portable = sum(b.non_delegated for op, b in info.delegation_by_operator.items() if op not in NOT_KERNELS)
     return {
         "delegated_subgraphs": info.num_delegated_subgraphs,
         "delegated_nodes": info.num_delegated_nodes,
         "non_delegated_nodes": info.num_non_delegated_nodes,
+        "delegate_calls": info.num_delegated_subgraphs,
+        "portable_ops": portable,
         "by_op": {op: {"delegated": b.delegated, "non_delegated": b.non_delegated}
                   for op, b in sorted(info.delegation_by_operator.items())},
     }
@@ -147,7 +156,8 @@ def lower(ctx) -> dict:
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
             "non_delegated_nodes": report["non_delegated_nodes"],
-            "delegated_subgraphs": report["delegated_subgraphs"], "delegation_by_op": report["by_op"]}
+            "delegated_subgraphs": report["delegated_subgraphs"], "delegate_calls": report["delegate_calls"],
+            "portable_ops": report["portable_ops"], "delegation_by_op": report["by_op"]}
 
 
 def artifacts(entry) -> dict:

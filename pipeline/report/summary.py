@@ -38,7 +38,9 @@ def print_summary(m: dict) -> None:
     lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
     if lower:
         mt = lower["metrics"]
-        print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}")
+        print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}"
+              + (f"; per forward: {mt['delegate_calls']} delegate calls, {mt['portable_ops']} portable ops"
+                 if "delegate_calls" in mt else ""))
         outside = {op: c["non_delegated"] for op, c in (mt.get("delegation_by_op") or {}).items()
                    if c["non_delegated"] and op != "getitem"}
         if outside:
