@@ -31,8 +31,9 @@ What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; thes
   ksum * zero point + dot (exactly sum (q - zp) * w), converted to fp32, times the row's dequantization scale, then
   one fma with the channel scale and the bias. 4-bit per channel weights are lowered as qb4w with one group.
 
-Exact integer sums do not depend on order, so those are computed with float64 matmuls (exact at these sizes); every
-fp32 step is done in the order above, the fmas correctly rounded. The order and the qdu8 epilogue are those of the
+Exact integer sums do not depend on order, so those are computed with matmuls whose every partial sum is exact (fp32
+for a 4-bit group's dot, float64 for an 8-bit row); every fp32 step is done in the order above, the fmas correctly
+rounded (a float64 sum rounded to odd, in numpy: the group chain is thousands of small ops per token). The order and the qdu8 epilogue are those of the
 x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other orders: last-bit differences there).
 
 How much each part matters: the bf16 group scales are nearly all of torchao's gap to an 8da4w program. The int8
@@ -48,6 +49,7 @@ import copy
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -105,21 +107,34 @@ def quantize_rows(x: torch.Tensor, mult: torch.Tensor, zp: torch.Tensor, unsigne
 
 # --- fp32 arithmetic that matches the kernels -----------------------------------------------------------------
 
-def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """fp32 a * b + c with one rounding (vfmadd), for fp32 a, b, c.
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32 a * b + c with one rounding (vfmadd), for fp32 arrays.
 
     a * b is exact in float64; the sum is rounded to odd in float64 (round to nearest, then, if inexact and the
     result is even, one step towards the exact value), which then rounds to fp32 exactly as a single rounding would.
+    numpy, not torch: the chains below run thousands of these on small arrays, where torch's per-op cost dominates.
     """
-    p = a.double() * b.double()
-    c = c.double()
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
     s = p + c
     t = s - p
     err = (p - (s - t)) + (c - t)                # TwoSum: p + c == s + err exactly
-    even = (s.view(torch.int64) & 1) == 0
-    towards = torch.where(err > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
-    s = torch.where((err != 0) & even, torch.nextafter(s, towards), s)
-    return s.float()
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c with one rounding, for fp32 tensors (broadcasting)."""
+    return torch.from_numpy(_fma32(a.float().numpy(), b.float().numpy(), c.float().numpy()))
+
+
+def fma32_chain(terms: torch.Tensor, scales: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """out = start, then out = fma32(terms[g], scales[g], out) for g in order: terms [G, M, N], scales [G, N]."""
+    out, t, s = start.float().numpy(), terms.float().numpy(), scales.float().numpy()
+    for g in range(t.shape[0]):
+        out = _fma32(t[g], s[g][None, :], out)
+    return torch.from_numpy(out)
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:
@@ -152,10 +167,13 @@ class QB4WLinear(nn.Module):
         s = bf16(scale.float())                                           # ExecuTorch serializes the scales as bf16
         n = qdata.shape[0]
         self.register_buffer("qdata", qdata.to(torch.int8).contiguous())
-        # [groups, group, out] in float64, for one batched exact dot product per call
-        self.register_buffer("w16", (qdata.double() * 16).reshape(n, k // self.group, self.group).permute(1, 2, 0)
-                             .contiguous(), persistent=False)
-        self.register_buffer("scale16", bf16(s / 16))                     # packed as bf16(scale / 16): nibble << 4
+        # [groups, group, out], for one batched exact dot product per call: a group's sum of products of
+        # activations (<= 255) and 16 w (|16 w| <= 128) is an integer below 2^24 up to groups of 512, where every
+        # fp32 partial sum is exact in any order; wider groups sum in float64
+        self.sum_dtype = torch.float32 if self.group * 255 * 128 < 2 ** 24 else torch.float64
+        self.register_buffer("w16", (qdata.to(self.sum_dtype) * 16).reshape(n, k // self.group, self.group)
+                             .permute(1, 2, 0).contiguous(), persistent=False)
+        self.register_buffer("scale16", bf16(s / 16).T.contiguous())      # packed as bf16(scale / 16): nibble << 4
         self.register_buffer("ksum", packed_ksum(qdata.to(torch.int64), s, self.group))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -167,9 +185,8 @@ class QB4WLinear(nn.Module):
         out = self.ksum[None, :] * zp.float()[:, None]                    # the running sum starts at ksum * zp
         groups = k // self.group
         # every group's exact int32 dot at once ([groups, rows, out]), then cvtdq2ps; the fp32 sum stays in order
-        acc = torch.bmm(a.reshape(-1, groups, self.group).transpose(0, 1), self.w16).float()
-        for g in range(groups):
-            out = fma32(acc[g], self.scale16[:, g][None, :], out)
+        acc = torch.bmm(a.to(self.sum_dtype).reshape(-1, groups, self.group).transpose(0, 1), self.w16).float()
+        out = fma32_chain(acc, self.scale16, out)
         out = out * dq[:, None]                                           # the row's scale after all groups
         if self.bias is not None:
             out = out + self.bias                                         # the bias last, a separate add
