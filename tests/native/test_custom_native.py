@@ -46,3 +46,21 @@ def test_undo_below_what_the_rings_hold_is_refused(native_bins, tiny_custom):
     assert "[undo] refused:" in proc.stderr
     assert "ring caches no longer hold its window" in proc.stderr
     assert after_reset["generated_ids"] == first["generated_ids"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16"])
+def test_half_kv_storage_verifies_and_holds_half_the_bytes(kv_dtype):
+    """cache.kv_dtype: the program's K/V buffers in half (the fused kernel converts on write and reads half rows);
+    verify's references hold the same buffers, so the exact gate still applies: C++ == Python runtime == eager."""
+    import torch
+
+    from tests.helpers import stage_path
+    m = build("tiny_gemma3_custom", f"cache.kv_dtype={kv_dtype}")
+    assert m["status"] == "ok"
+    full = build("tiny_gemma3_custom", stages=("download", "wrap"))
+    half = torch.load(stage_path(m, "wrap") / "module.pt", weights_only=False)
+    ref = torch.load(stage_path(full, "wrap") / "module.pt", weights_only=False)
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_dtype]
+    assert {b.dtype for n, b in half.named_buffers() if n.endswith(("k_cache", "v_cache"))} == {want}
+    assert 2 * half.cache_bytes() == ref.cache_bytes()
+    assert m["verify"]["native"]["token_parity"]

@@ -18,7 +18,6 @@ from torch.fx import Node
 from executorch.backends.xnnpack import _passes, xnnpack_preprocess
 from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
 from executorch.exir.dialects.edge._ops import EdgeOpOverload
-from executorch.exir.program._program import _transform
 from torch._ops import OpOverload
 
 # The ops whose interaction with every pass the predicates below cover (format: `aten.linear.default`).
@@ -110,7 +109,7 @@ class LeanPassManager(_passes.XNNPACKPassManager):
                 STATS["passes_skipped"] += 1
                 continue
             STATS["passes_run"] += 1
-            ep = _transform(ep, pass_(ep) if issubclass(pass_, _passes.XNNPACKPass) else pass_())
+            ep = _passes._transform(ep, pass_(ep) if issubclass(pass_, _passes.XNNPACKPass) else pass_())
         return ep
 
 
