@@ -186,6 +186,9 @@ class Thresholds:
     max_kld_ratio: Optional[float] = None     # vs_float: KLD <= ratio x the eager quantized model's own KLD
     # same_quant: mean KLD <= this x the build's numerics floor (pipeline/model/float_noise.py) + 1e-4
     max_kld_over_floor: Optional[float] = None
+    # the thresholds above hold for each prompt (true), or for the figures over all prompts (false: where
+    # last-bit noise alone moves one short prompt's figures by a token or two)
+    per_prompt: bool = True
 
 
 @dataclass

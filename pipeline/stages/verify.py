@@ -221,8 +221,9 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None)
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
         if floor_ref is not None:
             entry["floor"] = compare(ref_logits, teacher_forced(floor_ref, ids, ref, chunk))
-        found = check(same, gate.same_quant, len(ref), "vs same-quant reference") + \
-            check(vs_float, gate.vs_float, len(flt), "vs float eager")
+        found = (check(same, gate.same_quant, len(ref), "vs same-quant reference") if gate.same_quant.per_prompt
+                 else []) + (check(vs_float, gate.vs_float, len(flt), "vs float eager") if gate.vs_float.per_prompt
+                             else [])
         ratio = gate.vs_float.max_kld_ratio
         if ratio is not None and vs_float["kld"] > ratio * cost["kld"] + 1e-3:  # 1e-3: noise floor near 0
             found.append(f"vs float eager: KLD {vs_float['kld']:.4g} > {ratio} x the same-quant reference's "
@@ -263,6 +264,20 @@ def teacher_forced_summary(prompts: list, key: str) -> dict:
     return {"max_logit_err": max(p[key]["max_logit_err"] for p in prompts),
             "top1": sum(p[key]["top1"] for p in prompts) / len(prompts),
             "kld": sum(p[key]["kld"] for p in prompts) / len(prompts)}
+
+
+def pooled_problems(summary: dict, gate) -> list[dict]:
+    """The thresholds a gate holds over all prompts (per_prompt: false) instead of prompt by prompt."""
+    problems = []
+    for key, label in (("same_quant", "vs same-quant reference"), ("vs_float", "vs float eager")):
+        th = gate[key]
+        if th.per_prompt:
+            continue
+        s = summary[key]
+        found = check(s, th, s["greedy_total"], f"{label} (all prompts)")
+        if found:
+            problems.append({"prompt": "(all prompts)", "problems": found, "reference_text": "", "pte_text": ""})
+    return problems
 
 
 def floor_problems(summary: dict, th) -> list[dict]:
@@ -328,7 +343,7 @@ def run(ctx) -> dict:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=reference is not eager_f)
     summary["gate"] = gate_of(ctx.cfg)
-    problems += floor_problems(summary, gate.same_quant)
+    problems += pooled_problems(summary, gate) + floor_problems(summary, gate.same_quant)
     if vc.fidelity_chunks > 0:
         summary["fidelity"] = corpus_fidelity(ctx, tok, eager_f, pte)
     summary["runtime"] = runtime.describe()

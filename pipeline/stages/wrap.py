@@ -44,10 +44,12 @@ def run(ctx) -> dict:
                   DTYPES[v(kv_dtype)] if kv_dtype is not None else None)
     with spinner("self-check against HF forward", ctx.progress):
         check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
-    tol = SELF_CHECK_TOL[dtype] * max(check["logit_scale"], SCALE_FLOOR)
+    # half K/V storage (cache.kv_dtype) rounds like a half forward does
+    rounding = max(SELF_CHECK_TOL[dtype], SELF_CHECK_TOL[v(kv_dtype)] if kv_dtype is not None else 0.0)
+    tol = rounding * max(check["logit_scale"], SCALE_FLOOR)
     if check["max_abs_err"] > tol:
         raise RuntimeError(f"wrapped module disagrees with HF forward: max abs logit error "
-                           f"{check['max_abs_err']:.3g} > {tol:.3g} ({SELF_CHECK_TOL[dtype]} x the logits' scale "
+                           f"{check['max_abs_err']:.3g} > {tol:.3g} ({rounding} x the logits' scale "
                            f"{check['logit_scale']:.3g}, {dtype}) over {check['tokens']} tokens")
     module.reset()
     write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))

@@ -93,6 +93,7 @@ inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* bu
 }
 
 constexpr int64_t kBlock = 32;  // keys per block of scores (online softmax)
+constexpr int kMaxSplits = 64;  // key splits of one query row (attend_segments)
 
 // What one work unit leaves for its rows: the running max and sum of its softmax and the unnormalized
 // output, per query head of the group.
@@ -161,7 +162,7 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
 }
 
 // out row = acc / l, or the merge of a row's splits (each with its own max).
-void write_rows(const Segment& g, int64_t Hq, int64_t Ttot, int64_t kh, int64_t i, int splits, const float* m,
+void write_rows(const Segment& g, int64_t Ttot, int64_t kh, int64_t i, int splits, const float* m,
                 const float* l, const float* acc, int64_t group, void* out, int out_code) {
   const int64_t Dv = g.view.v_dim;
   for (int64_t h = 0; h < group; ++h) {
@@ -169,7 +170,7 @@ void write_rows(const Segment& g, int64_t Hq, int64_t Ttot, int64_t kh, int64_t 
     float mx = -INFINITY;
     for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, m[sp * group + h]);
     float total = 0.f;
-    float w[64];
+    float w[kMaxSplits];
     for (int sp = 0; sp < splits; ++sp) {
       const float ms = m[sp * group + h];
       w[sp] = ms == -INFINITY ? 0.f : std::exp(ms - mx);
@@ -181,7 +182,6 @@ void write_rows(const Segment& g, int64_t Hq, int64_t Ttot, int64_t kh, int64_t 
       for (int sp = 0; sp < splits; ++sp) x += w[sp] * acc[(sp * group + h) * Dv + d];
       store(out, out_code, row * Dv + d, x * inv);
     }
-    (void)Hq;
   }
 }
 
@@ -271,74 +271,71 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
   }
 }
 
+// Keys per split for a segment of few query rows (a decode step): its keys are shared out so every thread has
+// work, and the splits merged after. The split depends only on the segment (its rows and span), never on the
+// thread count or the other segments of the step: a session computes the same bits alone, batched, on any pool.
+constexpr int64_t kSplitKeys = 128;
+constexpr int64_t kSplitRows = 4;  // query rows up to which a segment splits its keys
+
+int splits_of(const Segment& g) {
+  if (g.T > kSplitRows) return 1;
+  return static_cast<int>(std::clamp<int64_t>((g.span() + kSplitKeys - 1) / kSplitKeys, 1, kMaxSplits));
+}
+
 void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
   const int64_t Hq = q.size(1), Ttot = q.size(2);
-  // work units: (segment, KV head, query row, key split); a query head group shares each K/V row it reads.
-  // Few rows (decode) split the keys so every thread has work; the splits are merged after.
-  const int64_t threads = std::max<int64_t>(1, executorch::extension::get_thread_count());
+  // work units: (segment, KV head, query row, key split); the query heads of a KV head share each K/V row read
   std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
-  int64_t rows = 0, widest = 1;
-  for (int g = 0; g < n; ++g) {
-    rows += segs[g].view.kv_heads * segs[g].T;
-    widest = std::max(widest, segs[g].span());
-  }
-  int splits = 1;
-  while (splits < 64 && rows * splits < 2 * threads && widest / (2 * splits) >= 2 * kBlock) splits *= 2;
-  for (int g = 0; g < n; ++g) first[g + 1] = first[g] + segs[g].view.kv_heads * segs[g].T * splits;
-  // partials of every unit: m, l [units][group], acc [units][group][Dv]
+  std::vector<int> splits(static_cast<size_t>(n));
   int64_t group_max = 1, dv_max = 1;
+  bool any_split = false;
   for (int g = 0; g < n; ++g) {
+    splits[g] = splits_of(segs[g]);
+    any_split |= splits[g] > 1;
+    first[g + 1] = first[g] + segs[g].view.kv_heads * segs[g].T * splits[g];
     group_max = std::max(group_max, Hq / segs[g].view.kv_heads);
     dv_max = std::max(dv_max, segs[g].view.v_dim);
   }
-  const int64_t units = first[n];
-  // split units keep their partials for the merge; unsplit ones write their rows at once from a local buffer
-  const int64_t kept = splits > 1 ? units : 0;
-  std::vector<float> m(static_cast<size_t>(kept * group_max)), l(m.size()),
-      acc(static_cast<size_t>(kept * group_max * dv_max));
-  auto unit_of = [&](int64_t u, int* g, int64_t* kh, int64_t* i, int* sp) {
-    *g = static_cast<int>(std::upper_bound(first.begin(), first.end(), u) - first.begin()) - 1;
-    const int64_t local = u - first[*g];
-    *sp = static_cast<int>(local % splits);
-    const int64_t r = local / splits;
-    *i = r % segs[*g].T;
-    *kh = r / segs[*g].T;
-  };
+  const int64_t units = first[n], stride = group_max * (2 + dv_max);  // a unit's m, l, acc
+  // split units keep their partials for the merge; the others write their rows at once from a local buffer
+  std::vector<float> partials(any_split ? static_cast<size_t>(units * stride) : 0);
   auto body = [&](int64_t u0, int64_t u1) {
-    std::vector<float> scratch, local(splits > 1 ? 0 : static_cast<size_t>(group_max * (2 + dv_max)));
+    std::vector<float> scratch, local(static_cast<size_t>(stride));
+    int g = static_cast<int>(std::upper_bound(first.begin(), first.end(), u0) - first.begin()) - 1;
     for (int64_t u = u0; u < u1; ++u) {
-      int g, sp;
-      int64_t kh, i;
-      unit_of(u, &g, &kh, &i, &sp);
-      Partial part = splits > 1 ? Partial{m.data() + u * group_max, l.data() + u * group_max,
-                                          acc.data() + u * group_max * dv_max}
-                                : Partial{local.data(), local.data() + group_max, local.data() + 2 * group_max};
-      const int64_t group = Hq / segs[g].view.kv_heads;
-      attend_unit(segs[g], q, Ttot, scale, kh, i, sp, splits, part, scratch);
-      if (splits == 1)
-        write_rows(segs[g], Hq, Ttot, kh, i, 1, part.m, part.l, part.acc, group, out, out_code);
+      while (u >= first[g + 1]) ++g;
+      const Segment& s = segs[g];
+      const int64_t local_u = u - first[g], r = local_u / splits[g], i = r % s.T, kh = r / s.T;
+      const int sp = static_cast<int>(local_u % splits[g]);
+      float* base = splits[g] > 1 ? partials.data() + u * stride : local.data();
+      const Partial part{base, base + group_max, base + 2 * group_max};
+      attend_unit(s, q, Ttot, scale, kh, i, sp, splits[g], part, scratch);
+      if (splits[g] == 1)
+        write_rows(s, Ttot, kh, i, 1, part.m, part.l, part.acc, Hq / s.view.kv_heads, out, out_code);
     }
   };
   executorch::extension::parallel_for(0, units, 1, body);
-  if (splits == 1) return;
+  if (!any_split) return;
   // merge: unit (g, kh, i, sp) sits at first[g] + (kh * T + i) * splits + sp
   std::vector<float> mm, ll, aa;
   for (int g = 0; g < n; ++g) {
+    if (splits[g] == 1) continue;
     const int64_t group = Hq / segs[g].view.kv_heads, Dv = segs[g].view.v_dim;
-    mm.resize(static_cast<size_t>(splits * group));
+    const int sn = splits[g];
+    mm.resize(static_cast<size_t>(sn * group));
     ll.resize(mm.size());
-    aa.resize(static_cast<size_t>(splits * group * Dv));
+    aa.resize(static_cast<size_t>(sn * group * Dv));
     for (int64_t r = 0; r < segs[g].view.kv_heads * segs[g].T; ++r) {
-      for (int sp = 0; sp < splits; ++sp) {
-        const int64_t u = first[g] + r * splits + sp;
+      for (int sp = 0; sp < sn; ++sp) {
+        const float* base = partials.data() + (first[g] + r * sn + sp) * stride;
         for (int64_t h = 0; h < group; ++h) {
-          mm[sp * group + h] = m[u * group_max + h];
-          ll[sp * group + h] = l[u * group_max + h];
-          std::copy_n(acc.data() + u * group_max * dv_max + h * Dv, Dv, aa.data() + (sp * group + h) * Dv);
+          mm[sp * group + h] = base[h];
+          ll[sp * group + h] = base[group_max + h];
+          std::copy_n(base + 2 * group_max + h * Dv, Dv, aa.data() + (sp * group + h) * Dv);
         }
       }
-      write_rows(segs[g], Hq, Ttot, r / segs[g].T, r % segs[g].T, splits, mm.data(), ll.data(), aa.data(), group,
-                 out, out_code);
+      write_rows(segs[g], Ttot, r / segs[g].T, r % segs[g].T, sn, mm.data(), ll.data(), aa.data(), group, out,
+                 out_code);
     }
   }
 }

@@ -11,7 +11,7 @@ token; lowering time grows with the count too, each partition being preprocessed
 - RoPE's `rotate_half`, `cat(-x[..., D/2:], x[..., :D/2])`: slices of a dynamic shape are refused; it is a
   matmul with a constant signed permutation, exact in any float type (one non-zero product per output);
 - the tanh GELU of Gemma's MLPs, which XNNPACK's erf GELU cannot run (weight_only.ExactGeluConfig keeps it out):
-  its formula in the multiplies, adds and tanh XNNPACK has.
+  its formula in the multiplies, adds and tanh XNNPACK has (fp32 only, like the mean).
 
 Each rewrite is matched exactly and leaves anything else alone; the graph computes the same function (the mean's
 sum order aside: a last-bit difference).
@@ -94,7 +94,7 @@ def _means(gm: GraphModule) -> int:
         shape = _shape(x)
         dims = n.args[1]
         keep = len(n.args) > 2 and bool(n.args[2])
-        if shape is None or len(shape) < 2 or not keep or list(dims) not in ([-1], [len(shape) - 1]) \
+        if shape is None or len(shape) < 2 or not keep or dims is None or list(dims) not in ([-1], [len(shape) - 1]) \
                 or not isinstance(shape[-1], int):
             continue
         width = shape[-1]
@@ -167,6 +167,8 @@ def _tanh_gelus(gm: GraphModule) -> int:
             continue
         x = n.args[0]
         dtype = x.meta["val"].dtype
+        if dtype != torch.float32:  # in half, each op of the formula would round where the fused op does not
+            continue
         c = {k: _scalar(gm, n, val, dtype) for k, val in
              (("half", 0.5), ("one", 1.0), ("kappa", 0.044715), ("beta", math.sqrt(2 / math.pi)))}
         g = gm.graph

@@ -118,18 +118,24 @@ class OneDecompositionPartitioner(XnnpackPartitioner):
 
     Why: a partitioner that hands `to_edge_transform_and_lower` a per-node check (XNNPACK's does) gets two extra
     decompositions of the whole program: one keeping the ops it asked to keep, then one with the full table after
-    hiding the kept nodes its check accepts, to decompose the kept nodes it refuses. When it refuses none of the
-    nodes the full table would decompose, that second pass changes nothing but costs a re-trace (SmolLM2: ~30 s);
-    answering without the check then takes ExecuTorch's one-decomposition path, with the same ops kept."""
+    hiding the kept nodes its check accepts, to decompose the kept nodes it refuses. When it refuses none of them,
+    that second pass changes nothing but costs a re-trace (SmolLM2: ~30 s); answering without the check then takes
+    ExecuTorch's one-decomposition path, with the same ops kept. The same answer serves the final check, which
+    then holds every kept node the check would accept to having been delegated, as before. Quantize / dequantize
+    primitives are neither decomposed nor held by that check, so theirs do not count."""
 
     def ops_to_not_decompose(self, ep):
-        from executorch.exir.program._program import (_default_decomposition_table,
-                                                      _remove_invalid_ops_for_not_decompose)
+        from executorch.exir.operator.util import _QUANT_PRIMITIVES
+        from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose
         ops, check = super().ops_to_not_decompose(ep)
         if check is None:
             return ops, check
-        decomposable = set(ops) & set(_default_decomposition_table())
-        if any(n.op == "call_function" and n.target in decomposable and not check(n) for n in ep.graph.nodes):
+        kept = set(ops) - set(_QUANT_PRIMITIVES)
+        graph = ep.graph_module
+        nested = any(isinstance(m, torch.fx.GraphModule) for m in graph.children())  # control flow: stock path
+        refused = any(n.op == "call_function" and getattr(n.target, "_op", n.target) in kept and not check(n)
+                      for n in graph.graph.nodes)  # an edge op's ATen overload is its _op
+        if nested or refused:
             return ops, check
         return _remove_invalid_ops_for_not_decompose(list(ops)), None
 
