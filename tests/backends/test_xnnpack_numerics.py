@@ -67,6 +67,23 @@ def test_fma32_rounds_once():
     assert fma32(a, b, c).item() == 1 + 2.0 ** -23
 
 
+def test_the_native_fma_chain_gives_the_numpy_bits():
+    """fma32_chain in C (fmaf) and in numpy (float64 rounded to odd): the same bits, on sums that round."""
+    from pipeline.backends.xnnpack.numerics import _native_chain, fma32_chain
+    assert _native_chain() is not None  # CI builds native/: verify uses the C chain
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randint(-2 ** 20, 2 ** 20, (18, 3, 257), generator=g).float(),
+              (torch.rand(18, 257, generator=g).to(torch.bfloat16).float() / 16), torch.randn(3, 257, generator=g)),
+             # scales spread over 40 binades: products far below the running sum, where a double sum rounds
+             (torch.randint(-4096, 4096, (4, 1, 4096), generator=g).float(),
+              torch.ldexp(torch.ones(4, 4096), torch.randint(-40, 0, (4, 4096), generator=g)),
+              torch.randn(1, 4096, generator=g) * 1024)]
+    for terms, scales, start in cases:
+        assert torch.equal(fma32_chain(terms, scales, start), fma32_chain(terms, scales, start, native=False))
+    a, b, c = torch.tensor([[[641.0]]]), torch.tensor([[6700417 * 2.0 ** -56]]), torch.tensor([[1.0]])
+    assert fma32_chain(a, b, c).item() == 1 + 2.0 ** -23
+
+
 def _c_params(row: np.ndarray) -> tuple[np.float32, np.float32, int]:
     """src/xnnpack/quantization.h, one row, in numpy float32 scalars (IEEE division, no reciprocal)."""
     f = np.float32

@@ -4,6 +4,7 @@
 //                            max_write, initial, dtype_code)      (NULL on error)
 //   llmpipe_cache_check_step(h, pos, T) / llmpipe_cache_bind(h) / execute / llmpipe_cache_commit(h, pos, T)
 // Functions returning int return 0 on success, -1 on error (llmpipe_last_error() says why).
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -71,6 +72,19 @@ int64_t llmpipe_cache_bytes(void* h) { return static_cast<OffgraphKvCache*>(h)->
 const char* llmpipe_cache_describe(void* h) {
   tl_text = static_cast<OffgraphKvCache*>(h)->describe();
   return tl_text.c_str();
+}
+
+// out[r][c] = fmaf(terms[g][r][c], scales[g][c], out[r][c]) for g = 0, 1, ... in order: the fp32 running sum of
+// XNNPACK's 4-bit group GEMM, for verify's eager emulation of it (pipeline/backends/xnnpack/numerics.py; fmaf
+// rounds once, as vfmadd does).
+void llmpipe_fma_chain(const float* terms, const float* scales, float* out, int64_t groups, int64_t rows,
+                       int64_t cols) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* t = terms + g * rows * cols;
+    const float* s = scales + g * cols;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = std::fmaf(t[r * cols + c], s[c], out[r * cols + c]);
+  }
 }
 
 const char* llmpipe_last_error() {
