@@ -47,5 +47,6 @@ def gemma3_offgraph() -> dict:
 
 @pytest.fixture(scope="session")
 def gemma3_mlx_offgraph() -> dict:
-    """gemma-3-270m through the MLX delegate, off-graph cache, chunk 128 (rings of 639 slots)."""
-    return _ci_build("gemma3_mlx_offgraph")
+    """gemma-3-270m through the MLX delegate, off-graph cache, chunk 128 (rings of 639 slots): the slow tier's
+    (CI covers the MLX route on tiny models, tests/backends/test_mlx.py)."""
+    return helpers.build_cli("gemma3_mlx_offgraph", "export.prefill_chunk=128")

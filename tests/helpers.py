@@ -26,7 +26,6 @@ CI_BUILDS = {
     "gemma3_model_dir": {"recipe": "gemma3_xnnpack", "stages": ("download",)},
     "smollm2_default": {"recipe": None},  # `python -m pipeline` with no recipe: the default build
     "gemma3_offgraph": {"recipe": "gemma3_offgraph", "overrides": ("export.prefill_chunk=128",)},
-    "gemma3_mlx_offgraph": {"recipe": "gemma3_mlx_offgraph", "overrides": ("export.prefill_chunk=128",)},
 }
 
 # a build of a model this size or larger is a real-model build (the tiny random models have well under 1M)

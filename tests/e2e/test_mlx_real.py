@@ -1,7 +1,7 @@
 """End to end on the real models with backend=mlx: the programs build here and verify through our interpreter
 (pipeline/runtimes/mlx) with greedy tokens equal to eager; every instruction their programs hold has a handler;
-the off-graph gemma program matches eager past its 512-token window (rings wrapped). CI shares one chunk-128
-gemma build; llama_mlx_int4 is the slow tier's."""
+the off-graph gemma program matches eager past its 512-token window (rings wrapped). All in the slow tier (six
+minutes of CI's budget for one real MLX build; CI builds the MLX route on tiny models: tests/backends/test_mlx.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,6 +34,7 @@ def _exact(m: dict) -> None:
     assert all(c["non_delegated"] == 0 for op, c in lower["delegation_by_op"].items() if op != "getitem")
 
 
+@pytest.mark.slow
 def test_gemma3_mlx_offgraph_builds_and_verifies_through_the_interpreter(gemma3_mlx_offgraph):
     _exact(gemma3_mlx_offgraph)
     ops = set(MLXProgram(gemma3_mlx_offgraph["pte"]).ops())
@@ -49,6 +50,7 @@ def test_llama_mlx_int4_builds_and_verifies_exactly(llama_int4):
     assert Path(llama_int4["pte"]).stat().st_size < 150 * 2**20  # 4-bit linears and embedding, re-tied head
 
 
+@pytest.mark.slow
 def test_gemma3_mlx_offgraph_past_the_window(gemma3_mlx_offgraph):
     """Chunk 128 (rings of 639 slots in the 1024 context) fed 700 tokens: the rings wrap, and the interpreter's
     logits track eager's."""
