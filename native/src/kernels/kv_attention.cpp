@@ -118,8 +118,9 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
   const int64_t n = qpos - lo + 1, per = (n + splits - 1) / splits;
   const int64_t k0 = lo + std::min<int64_t>(n, per * split), k1 = lo + std::min<int64_t>(n, per * (split + 1));
-  // scratch: queries [group][D], scores [group][kBlock], K rows [kBlock][D], one V row [Dv]
-  scratch.resize(static_cast<size_t>(group * D + group * kBlock + kBlock * D + Dv));
+  // scratch: queries [group][D], scores [group][kBlock], K rows [kBlock][D], V rows [kBlock][Dv] (half storage
+  // converted; fp32 rows are read in place)
+  scratch.resize(static_cast<size_t>(group * D + group * kBlock + kBlock * D + kBlock * Dv));
   float* qs = scratch.data();
   float* sc = qs + group * D;
   float* kbuf = sc + group * kBlock;
@@ -134,30 +135,28 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
     std::fill(part.acc + h * Dv, part.acc + (h + 1) * Dv, 0.f);
   }
   const float* krows[kBlock];
+  const float* vrows[kBlock];
   for (int64_t b0 = k0; b0 < k1; b0 += kBlock) {
     const int64_t nb = std::min(kBlock, k1 - b0);
     for (int64_t j = 0; j < nb; ++j) {
-      const uint8_t* kr = s.k + (g.read[b0 + j - g.base] * kstride + kh * khead) * es;
-      krows[j] = as_float(kr, s.dtype, D, kbuf + j * D);
+      const int64_t slot = g.read[b0 + j - g.base];
+      krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
+      vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
     }
     for (int64_t h = 0; h < group; ++h) {
       float* sh = sc + h * kBlock;
+      int64_t j = 0;
+      for (; j + 4 <= nb; j += 4) simd::dot4(qs + h * D, krows + j, D, sh + j);
+      for (; j < nb; ++j) sh[j] = simd::dot(qs + h * D, krows[j], D);
       float mx = part.m[h];
-      for (int64_t j = 0; j < nb; ++j) {
-        sh[j] = simd::dot(qs + h * D, krows[j], D);
-        mx = std::max(mx, sh[j]);
-      }
+      for (j = 0; j < nb; ++j) mx = std::max(mx, sh[j]);
       const float corr = part.m[h] == -INFINITY ? 0.f : std::exp(part.m[h] - mx);
       part.l[h] = part.l[h] * corr + simd::exp_sub_sum(sh, nb, mx);
       part.m[h] = mx;
       if (corr != 1.f)
         for (int64_t d = 0; d < Dv; ++d) part.acc[h * Dv + d] *= corr;
     }
-    for (int64_t j = 0; j < nb; ++j) {
-      const uint8_t* vr = s.v + (g.read[b0 + j - g.base] * vstride + kh * vhead) * es;
-      const float* v = as_float(vr, s.dtype, Dv, vbuf);
-      for (int64_t h = 0; h < group; ++h) simd::add_scaled(part.acc + h * Dv, sc[h * kBlock + j], v, Dv);
-    }
+    for (int64_t h = 0; h < group; ++h) simd::accumulate_rows(part.acc + h * Dv, sc + h * kBlock, vrows, nb, Dv);
   }
 }
 

@@ -1,5 +1,5 @@
-// The attention core's inner loops over a head dimension or a block of scores: dot, scaled add, row
-// conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C where the build enables them
+// The attention core's inner loops over a head dimension or a block of scores: dots (one row, four rows), the
+// weighted sum of a block of rows, row conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C where the build enables them
 // (native/CMakeLists.txt compiles kv_attention.cpp for the building machine), scalar otherwise.
 #pragma once
 
@@ -39,26 +39,66 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return tail;
 }
 
-// y[d] = y[d] * c + w * x[d]
-inline void scale_add(float* y, float c, float w, const float* x, int64_t n) {
+// out[j] = sum_d q[d] * k[j][d] for four rows k[0..3]: one pass over q, one reduction for the four
+inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
   int64_t d = 0;
+  float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
 #ifdef LLMPIPE_AVX2
-  const __m256 vc = _mm256_set1_ps(c), vw = _mm256_set1_ps(w);
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + d), _mm256_mul_ps(vc, _mm256_loadu_ps(y + d))));
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (; d + 8 <= n; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+  }
+  // [a0 a1 a2 a3] lane sums: two horizontal adds, then the 128-bit halves
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  alignas(16) float r[4];
+  _mm_store_ps(r, s);
+  t0 = r[0], t1 = r[1], t2 = r[2], t3 = r[3];
 #endif
-  for (; d < n; ++d) y[d] = y[d] * c + w * x[d];
+  for (; d < n; ++d) {
+    t0 += q[d] * k[0][d];
+    t1 += q[d] * k[1][d];
+    t2 += q[d] * k[2][d];
+    t3 += q[d] * k[3][d];
+  }
+  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
 
-// y[d] += w * x[d]
-inline void add_scaled(float* y, float w, const float* x, int64_t n) {
+// acc[d] += sum_j w[j] * rows[j][d], the accumulators held in registers across the rows (32 columns at a time)
+inline void accumulate_rows(float* acc, const float* w, const float* const* rows, int64_t nrows, int64_t n) {
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
-  const __m256 vw = _mm256_set1_ps(w);
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d + 32 <= n; d += 32) {
+    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8), a2 = _mm256_loadu_ps(acc + d + 16),
+           a3 = _mm256_loadu_ps(acc + d + 24);
+    for (int64_t j = 0; j < nrows; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* r = rows[j] + d;
+      a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), a0);
+      a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), a1);
+      a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), a2);
+      a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 24), a3);
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d + 8 <= n; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d);
+    for (int64_t j = 0; j < nrows; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows[j] + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
 #endif
-  for (; d < n; ++d) y[d] += w * x[d];
+  for (; d < n; ++d) {
+    float a = acc[d];
+    for (int64_t j = 0; j < nrows; ++j) a += w[j] * rows[j][d];
+    acc[d] = a;
+  }
 }
 
 inline float half_to_float(uint16_t h) {
