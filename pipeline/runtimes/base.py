@@ -105,3 +105,22 @@ def run_sequence(module, ids: list[int], chunk: int, start: int = 0) -> torch.Te
         positions = torch.arange(start + s, start + s + len(piece), dtype=torch.long)
         logits = module(tokens, positions)
     return logits[0, -1].float()
+
+
+@torch.no_grad()
+def run_rows(module, ids: list[int], chunk: int, start: int = 0) -> list[torch.Tensor]:
+    """The logits after each of ids, fed from `start`. An eager wrapped module (it has `logits_mode`) returns every
+    row of a chunk in one call; a built program returns only its exported rows, so it takes one token per call."""
+    mode = getattr(module, "logits_mode", None) if isinstance(module, torch.nn.Module) else None
+    if mode is None:
+        return [run_sequence(module, [t], 1, start=start + i) for i, t in enumerate(ids)]
+    module.logits_mode = "full"
+    try:
+        rows = []
+        for s in range(0, len(ids), chunk):
+            piece = ids[s:s + chunk]
+            positions = torch.arange(start + s, start + s + len(piece), dtype=torch.long)
+            rows.extend(module(torch.tensor([piece], dtype=torch.long), positions)[0].float().unbind(0))
+        return rows
+    finally:
+        module.logits_mode = mode
