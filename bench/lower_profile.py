@@ -1,6 +1,7 @@
 """Where the lower stage's time goes, phase by phase and XNNPACK pass by pass: ExecuTorch's stock lowering
 (XnnpackPartitioner with the project's configs, every preprocess pass on every partition, the glue left as it is)
-against ours (pipeline/backends/xnnpack: glue.py, lean_preprocess.py, the one-decomposition partitioner), on the
+against ours (pipeline/backends/xnnpack: glue.py, lean_preprocess.py, the one-decomposition partitioner;
+pipeline/exporters/lean_edge.py: one decomposition, the edge passes chained), on the
 same exported program, in one run (a benchmark, not a test).
 
     python bench/lower_profile.py                       # the default build's export entry
@@ -97,15 +98,18 @@ def work(variant: str, program: str, overrides: list[str]) -> dict:
         _passes._transform = pass_timer
         stack.callback(setattr, _passes, "_transform", orig_transform)
         if ours:
+            from pipeline.exporters.lean_edge import decompose_for, lean_edge
+            stack.enter_context(lean_edge())
             stack.enter_context(backend.lowering())
+            ep = decompose_for(ep, [partitioner])
         edge = to_edge_transform_and_lower(ep, partitioner=[partitioner], transform_passes=passes,
                                            compile_config=EdgeCompileConfig(_check_ir_validity=False,
                                                                             _skip_dim_order=True))
-    lowered = time.perf_counter()
-    report = delegation_report(edge)
-    t = time.perf_counter()
-    et = edge.to_executorch(backend.executorch_config(cfg))
-    clock["to_executorch"] = time.perf_counter() - t
+        lowered = time.perf_counter()
+        report = delegation_report(edge)
+        t = time.perf_counter()
+        et = edge.to_executorch(backend.executorch_config(cfg))
+        clock["to_executorch"] = time.perf_counter() - t
     t = time.perf_counter()
     size = len(et.buffer)
     clock["serialize"] = time.perf_counter() - t

@@ -116,17 +116,21 @@ def delegation_report(edge) -> dict:
 def lower_program(ep, cfg, methods: dict):
     """Edge dialect, the backend's partitioning, to_executorch; returns (program manager, delegation report)."""
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    from pipeline.exporters.lean_edge import decompose_for, lean_edge
     load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
     backend = BACKENDS[cfg.backend.name]
     partitioners, passes = backend.partition()
-    with backend.lowering():
-        edge = to_edge_transform_and_lower(
-            ep, partitioner=partitioners, transform_passes=passes, constant_methods=methods,
-            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
-    report = delegation_report(edge)
-    if backend.DELEGATES_MATMULS:
-        refuse_undelegated_matmuls(report, v(cfg.export.dtype), v(cfg.backend.name))
-    return edge.to_executorch(backend.executorch_config(cfg)), report
+    with lean_edge():
+        with backend.lowering():
+            edge = to_edge_transform_and_lower(
+                decompose_for(ep, partitioners), partitioner=partitioners, transform_passes=passes,
+                constant_methods=methods, compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                                           _skip_dim_order=True))
+        report = delegation_report(edge)
+        if backend.DELEGATES_MATMULS:
+            refuse_undelegated_matmuls(report, v(cfg.export.dtype), v(cfg.backend.name))
+        return edge.to_executorch(backend.executorch_config(cfg)), report
 
 
 def refuse_undelegated_matmuls(report: dict, dtype: str, backend: str) -> None:

@@ -1,9 +1,7 @@
-"""How the XNNPACK backend lowers: the glue between matmuls inside the delegate (pipeline/backends/xnnpack/glue.py),
-and the lean preprocess + one-decomposition partitioner giving the stock lowering's bytes
-(pipeline/backends/xnnpack/lean_preprocess.py, weight_only.OneDecompositionPartitioner)."""
+"""How the XNNPACK backend lowers: the glue between matmuls inside the delegate (pipeline/backends/xnnpack/glue.py).
+The lean lowering's bytes against the stock lowering's: tests/exporters/test_lean_lowering.py."""
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -102,40 +100,3 @@ def test_a_decoder_layer_is_one_delegate_call(tiny_custom):
     # and one view of the positions per layer
     assert outside.pop("aten_view_copy_default") <= layers + 1
     assert sum(outside.values()) <= 7, outside
-
-
-@pytest.mark.parametrize("recipe,overrides", [
-    ("tiny_llama_custom", ("quantize=8da4w_mixed",)),   # dynamic activations, the custom op, the glue
-    ("tiny_gemma3_offgraph", ()),                        # fp32, rings, tanh GELU
-    ("tiny_llama_xnnpack", ("quantize=8w",)),            # static cache (softmax: the stock passes), weight-only
-])
-def test_lean_lowering_gives_the_stock_bytes(recipe, overrides):
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-
-    from pipeline.backends import BACKENDS
-    from pipeline.backends.xnnpack import weight_only
-    from pipeline.backends.xnnpack.lean_preprocess import lean_preprocess
-    from pipeline.runtimes.executorch import load_kernels
-    from tests.helpers import compose_cfg
-    load_kernels()
-    m = build(recipe, *overrides, stages=("download", "wrap", "quantize", "export"))
-    cfg = compose_cfg(f"recipe={recipe}", *overrides)
-    path = stage_path(m, "export") / "program.pt2"
-    _, passes = BACKENDS["xnnpack"].partition()
-    config = BACKENDS["xnnpack"].executorch_config(cfg)
-    compile_config = EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True)
-
-    def lowered(partitioner, lean: bool) -> bytes:
-        ep = torch.export.load(path)
-        with lean_preprocess() if lean else contextlib.nullcontext() as stats:
-            edge = to_edge_transform_and_lower(ep, partitioner=[partitioner], transform_passes=passes,
-                                               compile_config=compile_config)
-        return edge.to_executorch(config).buffer, dict(stats or {})
-
-    ours, stats = lowered(weight_only.partitioner(), lean=True)
-    stock, _ = lowered(XnnpackPartitioner(configs=weight_only.configs(), enable_bf16=True), lean=False)
-    assert ours == stock
-    assert stats["partitions"] > 0
-    if recipe != "tiny_llama_xnnpack":
-        assert stats["lean"] == stats["partitions"] and stats["passes_skipped"] > stats["passes_run"]

@@ -1,0 +1,64 @@
+"""The lower stage's lean lowering (pipeline/exporters/lean_edge.py: one decomposition, the edge passes chained;
+pipeline/backends/xnnpack/lean_preprocess.py: the per-partition passes that cannot act skipped; the
+one-decomposition partitioner) gives the stock ExecuTorch lowering's program, byte for byte."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.helpers import build, compose_cfg, stage_path
+
+
+def stock_lowering(ep, cfg) -> bytes:
+    """ExecuTorch as it ships: XNNPACK's own partitioner class (with the project's configs), every pass."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    from pipeline.backends import BACKENDS
+    from pipeline.backends.xnnpack import weight_only
+    backend = BACKENDS[cfg.backend.name]
+    partitioners, passes = backend.partition()
+    if cfg.backend.name == "xnnpack":
+        partitioners = [XnnpackPartitioner(configs=weight_only.configs(), enable_bf16=True)]
+    edge = to_edge_transform_and_lower(ep, partitioner=partitioners, transform_passes=passes,
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False,
+                                                                        _skip_dim_order=True))
+    return edge.to_executorch(backend.executorch_config(cfg)).buffer
+
+
+def mlx_names(buffer: bytes) -> bytes:
+    """The MLX delegate prefixes its constants' names with 4 hex digits of a hash of the program's printed form,
+    node names included: the one difference a lowering with other node names may make."""
+    return re.sub(rb"(?<![0-9A-Za-z_])[0-9a-f]{4}/(?=[A-Za-z_])", b"xxxx/", buffer)
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("tiny_llama_custom", ("quantize=8da4w_mixed",)),   # dynamic activations, the custom op, the glue
+    ("tiny_gemma3_offgraph", ()),                        # fp32, rings, tanh GELU
+    ("tiny_llama_xnnpack", ("quantize=8w",)),            # static cache (softmax: the stock passes), weight-only
+    ("tiny_llama_xnnpack", ("backend=portable",)),       # no partitioner: the default decomposition table
+    ("tiny_llama_mlx", ()),                              # the MLX partitioner and its passes
+])
+def test_lean_lowering_gives_the_stock_bytes(recipe, overrides):
+    from pipeline.backends import BACKENDS
+    from pipeline.backends.xnnpack.lean_preprocess import STATS as PREPROCESS
+    from pipeline.exporters.lean_edge import STATS as EDGE
+    from pipeline.exporters.native import lower_program
+    from pipeline.runtimes.executorch import load_kernels
+    load_kernels()
+    m = build(recipe, *overrides, stages=("download", "wrap", "quantize", "export"))
+    cfg = compose_cfg(f"recipe={recipe}", *overrides)
+    path = stage_path(m, "export") / "program.pt2"
+    BACKENDS[cfg.backend.name].setup()  # the ops the program calls (MLX's are registered by its package)
+    ours = lower_program(torch.export.load(path), cfg, {})[0].buffer
+    edge, preprocess = dict(EDGE), dict(PREPROCESS)
+    stock = stock_lowering(torch.export.load(path), cfg)
+    if cfg.backend.name == "mlx":
+        ours, stock = mlx_names(ours), mlx_names(stock)
+    assert ours == stock
+    assert edge["decompositions_saved"] == 1 and edge["retraces_saved"] >= 5
+    if recipe != "tiny_llama_xnnpack" and cfg.backend.name == "xnnpack":
+        assert preprocess["lean"] == preprocess["partitions"] > 0
+        assert preprocess["passes_skipped"] > preprocess["passes_run"]
