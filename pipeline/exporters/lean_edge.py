@@ -4,15 +4,16 @@ Why: each re-trace of a decoder program (every node through fake tensors with a 
 SmolLM2, and the stock conversion makes about a dozen that change nothing or could share one:
 - `to_edge_transform_and_lower` functionalizes the program (run_decompositions({})), asks the partitioner which ops
   to keep, then decomposes with a table that keeps them (a second re-trace). When the partitioner's kept ops do not
-  depend on the functionalized form (it answers with a fixed list and no per-node check: the path ExecuTorch
-  itself calls reliable), decomposing with that table right away does both in one re-trace.
+  depend on the functionalized form (no per-node check: the path ExecuTorch itself calls reliable; no ATen
+  in-place op that functionalizing would turn into an op it may keep, as MLX keeps HF's static cache's
+  index_copy), decomposing with that table right away does both in one re-trace.
 - The edge passes that map op by op (view ops to copies, t to t_copy, scalars to tensors, mixed dtypes to casts,
   ATen ops to edge ops) are ExportPass subclasses, each a re-trace. Their `call_operator`s chain through `super()`,
   so one class inheriting from several applies them in order in one re-trace (Python's MRO): two re-traces where
   there were seven, split where cheap graph passes (noops, empty tensors, redundant q/dq) ran between them.
 - `LegalizePortableDimOrderPass` re-traces to act on five ops with a non-contiguous input; skipped when the
   program has none (SpecPropPass re-traces right after it anyway).
-tests/exporters/test_lean_edge.py holds programs lowered this way to the stock conversion's bytes.
+tests/exporters/test_lean_lowering.py holds programs lowered this way to the stock conversion's bytes.
 """
 from __future__ import annotations
 
@@ -94,13 +95,21 @@ ORIGINAL = {"_get_aten_to_edge_passes": _program._get_aten_to_edge_passes,
             "LegalizePortableDimOrderPass": _program.LegalizePortableDimOrderPass}
 
 
+def inplace_aten_ops(ep) -> set:
+    """ATen in-place ops in the program (HF's StaticCache: index_copy_, add_): functionalizing turns them into other
+    ATen ops (index_copy, add) that a partitioner may keep, so its answer on this form could differ."""
+    return {str(n.target) for n in ep.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == "aten" and n.target._schema.is_mutable}
+
+
 def decompose_for(ep, partitioners: list):
     """The program decomposed once, keeping what the partitioner keeps, when that needs no per-node check and no
-    pre-decomposition transform (else unchanged: ExecuTorch's own path then runs); without a partitioner, with the
-    default table (what ExecuTorch applies then)."""
+    pre-decomposition transform, and the program is functional but for custom ops, so the partitioner sees the ops
+    it would see after functionalization (else unchanged: ExecuTorch's own path then runs); without a partitioner,
+    with the default table (what ExecuTorch applies then)."""
     from executorch.exir.backend.partitioner import Partitioner
     table = _program._default_decomposition_table()
-    if len(partitioners) > 1:
+    if len(partitioners) > 1 or (partitioners and inplace_aten_ops(ep)):
         return ep
     if partitioners:
         p = partitioners[0]
@@ -124,8 +133,9 @@ def lean_edge():
     run_decompositions = torch.export.ExportedProgram.run_decompositions
 
     def skip_functionalizing_twice(self, decomp_table=None, *args, **kwargs):
-        if decomp_table is not None and set(decomp_table) <= getattr(self, "_llmpipe_decomposed", set()):
-            return self  # decompose_for's output: functional ATen, nothing of this table left to decompose
+        done = getattr(self, "_llmpipe_decomposed", None)  # set on decompose_for's output only
+        if done is not None and decomp_table is not None and set(decomp_table) <= done:
+            return self  # functional ATen, nothing of this table left to decompose
         return run_decompositions(self, decomp_table, *args, **kwargs)
 
     STATS.update(dict.fromkeys(STATS, 0))
