@@ -51,7 +51,8 @@ def export_program(module, chunk: int, strict: bool = True, logits_mode: str = "
         example += (torch.arange(t, dtype=torch.long),)
         if chunk > 1:
             dynamic += ({0: torch.export.Dim("R", min=1, max=chunk)},)
-    with torch.no_grad():
+    from pipeline.exporters.lean_export import without_guard_cse
+    with torch.no_grad(), without_guard_cse():
         return torch.export.export(module, example, dynamic_shapes=dynamic, strict=strict)
 
 
