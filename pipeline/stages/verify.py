@@ -24,6 +24,7 @@ from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
 from pipeline.model.float_noise import with_float_noise
 from pipeline.model.quantization import dynamic_activations
+from pipeline.model.row_embedding import rows_only
 from pipeline.report.progress import bar, spinner
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
 from pipeline.runtimes.base import run_rows, run_sequence
@@ -77,9 +78,13 @@ def greedy(module, ids: list[int], n: int, chunk: int, eos: set[int],
 
 
 @torch.no_grad()
-def teacher_forced(module, ids: list[int], targets: list[int], chunk: int) -> list[torch.Tensor]:
-    """Logits predicting each target, feeding the targets themselves (not the module's own choices)."""
-    return [run_sequence(module, ids, chunk), *run_rows(module, targets[:-1], chunk, start=len(ids))]
+def teacher_forced(module, ids: list[int], targets: list[int], chunk: int,
+                   prefilled: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Logits predicting each target, feeding the targets themselves (not the module's own choices).
+    `prefilled`: the module's cache holds ids already (a run over them came last) and these are its logits after
+    them, so the prompt is not fed again."""
+    first = run_sequence(module, ids, chunk) if prefilled is None else prefilled
+    return [first, *run_rows(module, targets[:-1], chunk, start=len(ids))]
 
 
 def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
@@ -209,21 +214,27 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None)
     itself with last-bit float noise, on the same tokens (the numerics floor)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
+    no_rings = ctx.geometry is not None and ctx.geometry.smallest_window is None
     prompts, problems = [], []
     for text, ids in bar(verify_prompts(ctx, tok), desc="verify prompts", enabled=ctx.progress):
         room = ctx.cfg.export.max_context_len - len(ids)
         n = min(vc.max_new_tokens, room)
         if n < 1:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
-        got, _ = greedy(pte, ids, n, chunk, eos)
+        got, got_logits = greedy(pte, ids, n, chunk, eos)
         ref, ref_logits = greedy(reference, ids, n, chunk, eos, guess=got)
-        same = {"greedy_match": leading_match(ref, got), **compare(ref_logits, teacher_forced(pte, ids, ref, chunk))}
+        # later runs of the same module start after the prompt it holds; with sliding windows they start over, as
+        # stepping back n - 1 positions may reach below what a ring of window + chunk - 1 slots still holds
+        pte_first, ref_first = (got_logits[0], ref_logits[0]) if no_rings else (None, None)
+        same = {"greedy_match": leading_match(ref, got),
+                **compare(ref_logits, teacher_forced(pte, ids, ref, chunk, pte_first))}
         flt, flt_logits = greedy(eager_f, ids, n, chunk, eos, guess=got)
         vs_float = {"greedy_match": leading_match(flt, got),
-                    **compare(flt_logits, teacher_forced(pte, ids, flt, chunk))}
+                    **compare(flt_logits, teacher_forced(pte, ids, flt, chunk, pte_first))}
         # what quantization itself costs (eager, same tokens): the program should cost no more
         cost = vs_float if reference is eager_f else \
-            {"greedy_match": leading_match(flt, ref), **compare(flt_logits, teacher_forced(reference, ids, flt, chunk))}
+            {"greedy_match": leading_match(flt, ref),
+             **compare(flt_logits, teacher_forced(reference, ids, flt, chunk, ref_first))}
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
@@ -346,7 +357,8 @@ def run(ctx) -> dict:
             floor_ref = with_float_noise(reference) if gate.same_quant.max_kld_over_floor is not None else None
             pte = open_program(ctx.inputs["lower"], policy=cache_policy(ctx))
         other = cross_check_module(ctx)
-        prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref)
+        with rows_only():  # eager quantized embeddings gather, then dequantize (the same values, a table less)
+            prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref)
     except Unsupported as err:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=reference is not eager_f)

@@ -82,3 +82,18 @@ def test_teacher_forcing_in_chunks_equals_one_step_per_call(mode):
     stepwise = teacher_forced(Stepwise(module), ids, targets, CHUNK)
     assert len(chunked) == len(stepwise) == N
     assert max((a - b).abs().max().item() for a, b in zip(chunked, stepwise)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["static", "custom", "offgraph"])
+def test_teacher_forcing_after_a_greedy_run_starts_after_the_prompt(mode):
+    """What verify does on models without rings: the module holds the prompt from its greedy run, so teacher
+    forcing another token stream feeds only that stream (the greedy run's tokens past the prompt are overwritten)."""
+    from tests.model.test_offgraph import tiny_llama
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    targets = torch.randint(0, 128, (N,), generator=torch.Generator().manual_seed(7)).tolist()
+    module = wrap(tiny_llama(), mode, 64, "last", CHUNK)
+    fresh = teacher_forced(module, ids, targets, CHUNK)
+    for runner in (module, Stepwise(module)):
+        _, steps = greedy(runner, ids, N, CHUNK, eos=set())
+        again = teacher_forced(runner, ids, targets, CHUNK, prefilled=steps[0])
+        assert max((a - b).abs().max().item() for a, b in zip(again, fresh)) < 1e-4
