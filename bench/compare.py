@@ -1,7 +1,8 @@
 """Our C++ runner vs llama.cpp on the same model: the package's GGUF and its Q4_0 requantization (llama.cpp's
 fastest x86 format, the anchor), at 1 and 2 threads (a benchmark, not a test).
 
-    pip install -e ".[bench]"            # llama-cpp-python (compiles llama.cpp, a few minutes)
+    pip install -e ".[bench]"            # llama-cpp-python (compiles llama.cpp, a few minutes; on a machine whose
+                                         # CPU reports AMX but faults on it, see NO_AMX below)
     python bench/compare.py              # both models, 3 alternating rounds, 1 and 2 threads
     python bench/compare.py --models smollm2 --threads 2 --rounds 5
     python bench/compare.py --engines ours,eager          # without llama.cpp
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,6 +46,9 @@ DEFAULT_ENGINES = ("ours", "llama.cpp", "llama.cpp-q4_0")
 ANCHOR = "llama.cpp-q4_0"
 Q4_0 = 2  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
 DECODE = 64  # tokens decoded in the depth scenarios
+# llama.cpp's AVX-512 kernels without AMX (GGML_NATIVE would turn AMX on where the CPU reports it)
+NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON "
+          "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
 
 
 def scenarios(context: int) -> dict[str, tuple[int, int]]:
@@ -130,8 +135,13 @@ def run_worker(engine: str, source: str, jobs: dict, threads: int) -> dict:
     spec = json.dumps({name: [ids, new] for name, (ids, new) in jobs.items()})
     r = subprocess.run([sys.executable, __file__, "--worker", engine, "--source", source, "--threads", str(threads)],
                        input=spec, capture_output=True, text=True, timeout=3600)
+    if r.returncode == -signal.SIGILL:
+        raise RuntimeError(f"{engine} worker: illegal instruction. A llama.cpp built for this CPU's AMX tiles faults on "
+                           f"machines that do not let a process use them (seen on a VM): reinstall it with "
+                           f"CMAKE_ARGS=\"{NO_AMX}\" pip install --force-reinstall --no-deps --no-cache-dir "
+                           f"llama-cpp-python==0.3.36")
     if r.returncode != 0:
-        raise RuntimeError(f"{engine} worker failed:\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"{engine} worker failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
