@@ -17,7 +17,7 @@ from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
-from pipeline.store.files import write_via_memory
+from pipeline.store.files import write_streaming
 
 EXPORT_PEAK_OVER_WEIGHTS = 6.0  # see pipeline/preflight.py: memory estimates
 PROGRAM = "model.pte"
@@ -67,7 +67,7 @@ def export(ctx) -> dict:
     info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
-    write_via_memory(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
+    write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     return {"graph_nodes": len(ep.graph.nodes), **info}
 
 

@@ -17,7 +17,7 @@ from pipeline.model.quantization import quantize_module
 from pipeline.model.source_grid import SourceGrid
 from pipeline.report.progress import spinner
 from pipeline.stages.download import SOURCE_GGUF
-from pipeline.store.files import write_via_memory
+from pipeline.store.files import write_streaming
 
 NAME, VERSION = "quantize", 1
 AFTER = ("download", "wrap")
@@ -37,7 +37,7 @@ def run(ctx) -> dict:
     with spinner("quantize", ctx.progress), torch.no_grad():
         report = quantize_module(module, q, source, BACKENDS[ctx.cfg.backend.name].ASYMMETRIC_WEIGHTS)
     report["smoothing"] = smoothing
-    write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))
+    write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))
     (ctx.out / "quantize.json").write_text(json.dumps(report, indent=2))
     return report
 

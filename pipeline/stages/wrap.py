@@ -17,7 +17,7 @@ from pipeline.model.cache_modes import flags, wrap
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
-from pipeline.store.files import write_via_memory
+from pipeline.store.files import write_streaming
 
 NAME, VERSION = "wrap", 1
 AFTER = ("download",)
@@ -52,7 +52,7 @@ def run(ctx) -> dict:
                            f"{check['max_abs_err']:.3g} > {tol:.3g} ({rounding} x the logits' scale "
                            f"{check['logit_scale']:.3g}, {dtype}) over {check['tokens']} tokens")
     module.reset()
-    write_via_memory(ctx.out / "module.pt", lambda f: torch.save(module, f))
+    write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))
     spec = {
         "cache_mode": mode, "cache_flags": flags(ctx.cfg.cache), "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
         "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,

@@ -36,14 +36,51 @@ def write_json_atomic(path: Path, obj) -> None:
         raise
 
 
-def write_via_memory(path: Path, save) -> None:
-    """`save(file)` into memory, then one plain write to `path`. torch's zip writer aborts the whole process when the
-    disk fills mid-write (std::terminate in its destructor); a plain write fails with a clean OSError instead.
-    Costs a transient copy of the file in RAM."""
-    buf = io.BytesIO()
-    save(buf)
+class _ErrorsLater(io.RawIOBase):
+    """A file whose write errors are held until the writer is done (see write_streaming)."""
+
+    def __init__(self, f):
+        super().__init__()
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:  # torch.export.save asks (a warning otherwise)
+        return self.f.seekable()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def write(self, data) -> int:
+        if self.error is None:
+            try:
+                self.f.write(data)
+            except OSError as e:
+                self.error = e
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.f.flush()
+            except OSError as e:
+                self.error = e
+
+
+def write_streaming(path: Path, save) -> None:
+    """`save(file)` straight to `path`, raising the first OSError (e.g. disk full) once `save` returns. torch's zip
+    writer aborts the whole process when a write fails under it (std::terminate in its destructor), so it is given a
+    file that never fails: after an error it takes the rest without writing it. No copy of the file in RAM."""
     with open(path, "wb") as f:
-        f.write(buf.getbuffer())
+        sink = _ErrorsLater(f)
+        save(sink)
+        sink.flush()
+    if sink.error is not None:
+        raise sink.error
 
 
 def read_manifest(entry: Path) -> Optional[dict]:
