@@ -22,7 +22,7 @@ from pipeline.abi import DTYPES, EOS_IDS
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
-from pipeline.model.float_noise import with_float_noise
+from pipeline.model.float_noise import float_noise
 from pipeline.model.quantization import dynamic_activations
 from pipeline.model.row_embedding import rows_only
 from pipeline.report.progress import bar, spinner
@@ -208,10 +208,10 @@ def verify_prompts(ctx, tok) -> list[tuple[str, list[int]]]:
     return prompts
 
 
-def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None) -> tuple[list, list]:
+def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> tuple[list, list]:
     """Each prompt: the program against the same-quantization reference (the eager module as the backend computes
-    it) and against the float model (and the other runtimes that apply); with `floor_ref`, the reference against
-    itself with last-bit float noise, on the same tokens (the numerics floor)."""
+    it) and against the float model (and the other runtimes that apply); with `floor` (a generator), the reference
+    against itself with last-bit float noise drawn from it, on the same tokens (the numerics floor)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
     no_rings = ctx.geometry is not None and ctx.geometry.smallest_window is None
@@ -238,8 +238,9 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref=None)
         entry = {"prompt": text, "prompt_tokens": len(ids), "prompt_ids": ids, "reference": ref, "pte": got, "float_reference": flt,
                  "reference_text": tok.decode(ref), "pte_text": tok.decode(got), "float_text": tok.decode(flt),
                  "same_quant": same, "vs_float": vs_float, "quant_cost": cost}
-        if floor_ref is not None:
-            entry["floor"] = compare(ref_logits, teacher_forced(floor_ref, ids, ref, chunk))
+        if floor is not None:
+            with float_noise(reference, floor):
+                entry["floor"] = compare(ref_logits, teacher_forced(reference, ids, ref, chunk))
         found = (check(same, gate.same_quant, len(ref), "vs same-quant reference") if gate.same_quant.per_prompt
                  else []) + (check(vs_float, gate.vs_float, len(flt), "vs float eager") if gate.vs_float.per_prompt
                              else [])
@@ -354,11 +355,11 @@ def run(ctx) -> dict:
             # the same quantization as the backend computes it (XNNPACK's bf16 group scales, its activation rounding)
             reference = BACKENDS[ctx.cfg.backend.name].reference(eager_q)
             gate = vc[gate_of(ctx.cfg)]
-            floor_ref = with_float_noise(reference) if gate.same_quant.max_kld_over_floor is not None else None
+            floor = torch.Generator().manual_seed(123) if gate.same_quant.max_kld_over_floor is not None else None
             pte = open_program(ctx.inputs["lower"], policy=cache_policy(ctx))
         other = cross_check_module(ctx)
         with rows_only():  # eager quantized embeddings gather, then dequantize (the same values, a table less)
-            prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor_ref)
+            prompts, problems = check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor)
     except Unsupported as err:
         return unsupported_status(ctx, err)
     summary = summarize(prompts, quantized=reference is not eager_f)

@@ -51,7 +51,7 @@ def test_a_program_above_its_floor_fails():
 def test_float_noise_is_small_seeded_and_leaves_the_module_alone():
     import torch
     from pipeline.model.cache_modes import wrap
-    from pipeline.model.float_noise import with_float_noise
+    from pipeline.model.float_noise import float_noise, with_float_noise
     from pipeline.model.loading import load_hf_model
     module = wrap(load_hf_model(build("tiny_llama_xnnpack", stages=("download",))["model_dir"]), "static", 64, "last")
     ids, pos = torch.tensor([[1, 5, 9, 3]]), torch.arange(4)
@@ -60,5 +60,8 @@ def test_float_noise_is_small_seeded_and_leaves_the_module_alone():
         a = with_float_noise(module)(ids, pos)
         b = with_float_noise(module)(ids, pos)
         assert torch.equal(module(ids, pos), clean)   # the copies carry the hooks, not the module
+        with float_noise(module, torch.Generator().manual_seed(123)):  # what verify does: the module, for a span
+            c = module(ids, pos).clone()
+        assert torch.equal(module(ids, pos), clean)   # the hooks are gone with the span
     assert 0 < (a - clean).abs().max() < 1e-3 * clean.abs().max()
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and torch.equal(a, c)

@@ -93,9 +93,10 @@ def handover(model, q) -> dict:
 
 def reference(module):
     """The eager module that computes what this backend's program computes: torchao's own forms at fp32; at half
-    precision MLX's affine weights, accumulated in fp32 (numerics.py)."""
+    precision MLX's affine weights, accumulated in fp32 (numerics.py), converted in place (verify loads a module for
+    it, so no copy is held)."""
     from pipeline.backends.mlx import numerics
-    return numerics.reference(module, next(module.parameters()).dtype)
+    return numerics.reference(module, next(module.parameters()).dtype, copy_first=False)
 
 
 def cross_check_runtime(mode) -> str | None:

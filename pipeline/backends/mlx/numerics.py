@@ -47,11 +47,12 @@ class MlxAffineLinear(nn.Module):
         return nn.functional.linear(x.float(), self.weight32, self.bias32).to(x.dtype)
 
 
-def reference(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The module itself at fp32; at half precision a deep copy whose weight-only linears compute as MLX's do."""
+def reference(module: nn.Module, dtype: torch.dtype, copy_first: bool = True) -> nn.Module:
+    """The module itself at fp32; at half precision its weight-only linears computing as MLX's do, in a deep copy or
+    (copy_first=False) in the module itself."""
     if dtype == torch.float32 or not any(weight_only(m) is not None for m in module.modules()):
         return module
-    ref = copy.deepcopy(module)
+    ref = copy.deepcopy(module) if copy_first else module
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
             if weight_only(child) is not None:

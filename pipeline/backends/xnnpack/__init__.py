@@ -95,12 +95,12 @@ def handover(model, q) -> dict:
 
 
 def reference(module):
-    """The eager module that computes what this backend's program computes: the dynamic-activation linears as
-    XNNPACK's GEMMs (numerics.py); without such linears, the module itself."""
+    """The eager module that computes what this backend's program computes: the module itself, its dynamic-activation
+    linears converted in place to XNNPACK's GEMMs (numerics.py; verify loads a module for it, so no copy is held)."""
     from pipeline.backends.xnnpack import numerics
     if not any(numerics.dynamic_weight(m) is not None for m in module.modules()):
         return module
-    return numerics.reference(module)
+    return numerics.reference(module, copy_first=False)
 
 
 def cross_check_runtime(mode) -> None:

@@ -264,11 +264,12 @@ def xnnpack_linear(m: nn.Linear, unsigned: bool = True) -> nn.Module:
     return QC8WLinear(w.qdata, scale[:, 0], m.bias, unsigned)
 
 
-def reference(module: nn.Module, unsigned: bool | None = None) -> nn.Module:
-    """A deep copy of a quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's
-    GEMMs do (qdu8 activations where this CPU has VNNI, qd8 elsewhere; or as `unsigned` says)."""
+def reference(module: nn.Module, unsigned: bool | None = None, copy_first: bool = True) -> nn.Module:
+    """A quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's GEMMs do (qdu8
+    activations where this CPU has VNNI, qd8 elsewhere; or as `unsigned` says): a deep copy, or with
+    copy_first=False the module itself, converted."""
     unsigned = unsigned_activations() if unsigned is None else unsigned
-    ref = copy.deepcopy(module)
+    ref = copy.deepcopy(module) if copy_first else module
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
             if dynamic_weight(child) is not None:
