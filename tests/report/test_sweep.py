@@ -55,6 +55,7 @@ def test_sweep_with_a_failing_job_ends_in_a_report():
     assert {s["name"]: s["cache"] for s in later["stages"]}["wrap"] == "hit"
 
 
+@pytest.mark.slow  # CI runs the parallel sweep (joblib) and gc beside one build (tests/store/test_faults.py)
 def test_two_sweeps_and_a_gc_at_once_share_one_cache_without_duplicates():
     out = f"outputs/tests/concurrent-{uuid.uuid4().hex[:8]}"
     args = ("recipe=tiny_llama_xnnpack", "quantize=none,8da4w", "verify.enabled=false")

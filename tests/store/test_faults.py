@@ -194,6 +194,7 @@ def test_a_read_only_outputs_is_a_clear_error(out):
     assert sorted(p.relative_to(ROOT / out) for p in (ROOT / out).rglob("*")) == before
 
 
+@pytest.mark.slow  # CI kills one stage each way (tests/store/test_stage_cache.py); this walks every stage
 def test_a_build_killed_in_each_stage_leaves_no_half_entry(out):
     """SIGKILL as soon as each stage's temp dir appears; the rerun up to that stage builds exactly that stage."""
     cache = ROOT / out / "cache"
