@@ -99,33 +99,70 @@ def weight_error(quantized: torch.Tensor, original: torch.Tensor) -> float:
     return float((w.float() - original).norm() / original.norm().clamp_min(1e-30))
 
 
-def carry_source_grid(model: nn.Module, source, originals: dict, asymmetric_ok: bool) -> list[str]:
+def carry_source_grid(model: nn.Module, source, name: str, original: torch.Tensor, asymmetric_ok: bool) -> bool:
     """Swap in the source file's own blocks where the chosen scheme holds them exactly (pipeline/model/
-    source_grid.py; `originals`: name -> the float weight before quantization); returns the names carried."""
+    source_grid.py; `original`: the float weight of module `name` before quantization); True if carried."""
     from pipeline.model.source_grid import gguf_name
     cfg = model.config.get_text_config()
     heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    modules = dict(model.named_modules())
-    carried = []
-    for name, original in originals.items():
-        w = modules[name].weight
-        if getattr(w, "target_dtype", None) not in (torch.int4, torch.int8):
-            continue
-        new = source.carried(gguf_name(name, tied), original, 8 if w.target_dtype == torch.int8 else 4,
-                             w.block_size[1], asymmetric_ok, w.activation_quantization,
-                             next((h for k, h in heads.items() if name.endswith(k)), None))
-        if new is not None:
-            modules[name].weight = nn.Parameter(new, requires_grad=False)
-            carried.append(name)
-    return carried
+    module = model.get_submodule(name)
+    w = module.weight
+    if getattr(w, "target_dtype", None) not in (torch.int4, torch.int8):
+        return False
+    new = source.carried(gguf_name(name, tied), original, 8 if w.target_dtype == torch.int8 else 4,
+                         w.block_size[1], asymmetric_ok, w.activation_quantization,
+                         next((h for k, h in heads.items() if name.endswith(k)), None))
+    if new is None:
+        return False
+    module.weight = nn.Parameter(new, requires_grad=False)
+    return True
+
+
+# torchao quantizes a weight through several float temporaries of its size; a weight above this many elements is
+# quantized in slices of rows (every group lies within a row, so the values are the same) and joined again
+CHUNK_ELEMENTS = 1 << 24
+
+
+def quantize_one(model: nn.Module, name: str, config) -> None:
+    """Quantize module `name` of model in place, in slices of rows when it is large."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor, quantize_
+
+    module = model.get_submodule(name)
+    rows, cols = module.weight.shape
+    step = max(1, CHUNK_ELEMENTS // cols)
+    if rows <= step:
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)
+        return
+    parts = []
+    for r in range(0, rows, step):
+        piece = _same_kind(module, module.weight.detach()[r:r + step])
+        quantize_(piece, config, filter_fn=lambda m, fqn: fqn == "")
+        parts.append(piece.weight)
+    first = parts[0]
+    if type(first) is not IntxUnpackedToInt8Tensor or tuple(first.block_size)[0] != 1:
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)  # a layout whose groups may span rows
+        return
+    joined = IntxUnpackedToInt8Tensor(
+        *(None if getattr(first, n) is None else torch.cat([getattr(p, n) for p in parts])
+          for n in ("qdata", "scale", "zero_point")),
+        first.target_dtype, first.block_size, first.dtype, first.activation_quantization)
+    module.weight = nn.Parameter(joined, requires_grad=False)
+
+
+def _same_kind(module: nn.Module, weight: torch.Tensor) -> nn.Module:
+    """A linear or embedding holding `weight` (a slice of module's rows), for torchao to quantize alone."""
+    if isinstance(module, nn.Embedding):
+        piece = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
+    else:
+        piece = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        piece.weight = nn.Parameter(weight, requires_grad=False)
+    return piece
 
 
 def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = False) -> dict:
     """Quantize a wrapped module in place; returns a report. With `source` (the model's GGUF, SourceGrid) and
     quantize.source_grid, weights whose scheme holds the file's own grid exactly carry it instead."""
-    from torchao.quantization import quantize_
-
     model = module.model
     emb, algorithm = v(q.embedding), v(q.algorithm)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -133,30 +170,32 @@ def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = Fal
     ties = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     retie = tied and ties and q.tie_word_embeddings and emb != "none" and \
         head_scheme(q) == (emb, q.embedding_group_size)
-    if tied and schemes_in_use(q):
-        # quantize the two separately (or re-tie below): they may need different schemes
+    if tied and schemes_in_use(q) and not retie:
+        # quantize the two separately: they take different schemes
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
     report = {"linear": v(q.linear), "embedding": emb, "lm_head": head_scheme(q)[0], "algorithm": algorithm,
               "tied_in_model": tied, "retied": False, "linear_layers": 0, "embedding_layers": 0, "by_scheme": {}}
     plan = linear_plan(model, q, retie)
-    targets = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and emb != "none"]
-    targets += [n for names in plan.values() for n in names]
-    modules = dict(model.named_modules())
-    originals = {n: modules[n].weight.detach().clone() for n in targets}
-    if emb != "none":
-        quantize_(model, torchao_config(emb, q.embedding_group_size, algorithm),
-                  filter_fn=lambda m, _: isinstance(m, nn.Embedding))
-        report["embedding_layers"] = sum(isinstance(m, nn.Embedding) for m in model.modules())
+    # one module at a time, its float weight kept only until its error is measured: never a second copy of the model
+    steps = [(n, torchao_config(emb, q.embedding_group_size, algorithm))
+             for n, m in model.named_modules() if isinstance(m, nn.Embedding) and emb != "none"]
+    report["embedding_layers"] = len(steps)
     for (scheme, group), names in plan.items():
-        chosen = set(names)
-        quantize_(model, torchao_config(scheme, group, algorithm),
-                  filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn in chosen)
+        config = torchao_config(scheme, group, algorithm)
+        steps += [(n, config) for n in names]
         report["by_scheme"][f"{scheme} g{group}"] = len(names)
         report["linear_layers"] += len(names)
-    carried = carry_source_grid(model, source, originals, asymmetric_ok) if q.source_grid and source else []
-    modules = dict(model.named_modules())
-    errors = {n: weight_error(modules[n].weight, originals[n]) for n in targets}
-    report["weights"] = {"quantized": len(targets), "carried": len(carried),
+    errors, carried = {}, []
+    for name, config in steps:
+        original = model.get_submodule(name).weight.detach().clone()
+        quantize_one(model, name, config)
+        if retie and model.get_submodule(name) is embed:
+            head.weight = embed.weight  # the float weight goes now, not after the linears
+        if q.source_grid and source and carry_source_grid(model, source, name, original, asymmetric_ok):
+            carried.append(name)
+        errors[name] = weight_error(model.get_submodule(name).weight, original)
+        del original
+    report["weights"] = {"quantized": len(steps), "carried": len(carried),
                          "rel_rms_mean": _mean(errors.values()),
                          "rel_rms_max": max(errors.values(), default=0.0),
                          "requantized_rel_rms_mean": _mean(e for n, e in errors.items() if n not in carried)}

@@ -99,3 +99,33 @@ def test_plan_names_every_linear_once(tiny_dir):
     plan = linear_plan(model, cfg.quantize, retie=False)
     names = [n for group in plan.values() for n in group]
     assert sorted(names) == sorted(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.parametrize("scheme,group,algorithm", [("4w", 32, "minmax"), ("8da4w", 32, "minmax"), ("8w", 0, "minmax"),
+                                                    ("8da8w", 0, "minmax"), ("4w", 32, "hqq")])
+def test_large_weights_quantized_in_row_slices_equal_one_piece(monkeypatch, scheme, group, algorithm):
+    """quantize_one slices a weight above CHUNK_ELEMENTS by rows (no float temporaries of the whole weight): the
+    same torchao tensor, field for field, and the same outputs, as quantizing it whole."""
+    from torchao.quantization import quantize_
+
+    from pipeline.model import quantization
+    torch.manual_seed(0)
+    sliced, whole = nn.Module(), nn.Module()
+    for m in (sliced, whole):
+        m.embed, m.proj = nn.Embedding(1000, 64), nn.Linear(64, 1500, bias=True)
+    whole.load_state_dict(sliced.state_dict())
+    monkeypatch.setattr(quantization, "CHUNK_ELEMENTS", 64 * 96)  # slices of 96 rows, the last one short
+    slices, same_kind = [], quantization._same_kind
+    monkeypatch.setattr(quantization, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
+    config = quantization.torchao_config(scheme, group, algorithm)
+    embed_config = quantization.torchao_config("8w" if scheme.startswith("8") else "4w", group, algorithm)
+    for name, c in (("embed", embed_config), ("proj", config)):
+        quantization.quantize_one(sliced, name, c)
+        quantize_(whole, c, filter_fn=lambda m, fqn: fqn == name)
+    assert slices == [96] * 10 + [40] + [96] * 15 + [60]
+    for name in ("embed", "proj"):
+        a, b = getattr(sliced, name).weight, getattr(whole, name).weight
+        assert type(a) is type(b) and a.block_size == b.block_size and a.activation_quantization == b.activation_quantization
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("qdata", "scale", "zero_point"))
+    ids, x = torch.randint(0, 1000, (7,)), torch.randn(3, 64)
+    assert torch.equal(sliced.embed(ids), whole.embed(ids)) and torch.equal(sliced.proj(x), whole.proj(x))

@@ -171,7 +171,7 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 def packed_ksum(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """The qb4w packing's fp32 ksum per output channel: 0 - sum_chunk(ksum_chunk * bf16 scale), chunk by chunk."""
     n, k = w.shape
-    chunks = w.reshape(n, k // KSUM_CHUNK, KSUM_CHUNK).sum(-1).float()
+    chunks = w.reshape(n, k // KSUM_CHUNK, KSUM_CHUNK).sum(-1, dtype=torch.int64).float()  # no widened copy of w
     acc = torch.zeros(n)
     for c in range(k // KSUM_CHUNK):
         acc = acc - chunks[:, c] * scale[:, (c * KSUM_CHUNK) // group]
@@ -189,27 +189,31 @@ class QB4WLinear(nn.Module):
             raise ValueError(f"group {self.group} of a {k}-wide qb4w linear")
         self.unsigned = unsigned
         s = bf16(scale.float())                                           # ExecuTorch serializes the scales as bf16
-        n = qdata.shape[0]
-        self.register_buffer("qdata", qdata.to(torch.int8).contiguous())
+        n, self.in_features = qdata.shape
         # [groups, group, out], for one batched exact dot product per call: a group's sum of products of
         # activations (<= 255) and 16 w (|16 w| <= 128) is an integer below 2^24 up to groups of 512, where every
         # fp32 partial sum is exact in any order; wider groups sum in float64
         self.sum_dtype = torch.float32 if self.group * 255 * 128 < 2 ** 24 else torch.float64
-        self.register_buffer("w16", (qdata.to(self.sum_dtype) * 16).reshape(n, k // self.group, self.group)
+        # held as int8 (16 w of an int4 w is within it) and widened per call: one linear's float copy at a time
+        w16 = qdata.to(torch.int16) * 16
+        if w16.min() < -128 or w16.max() > 127:
+            raise ValueError("qb4w weights must lie in [-8, 7]")
+        self.register_buffer("w16", w16.to(torch.int8).reshape(n, k // self.group, self.group)
                              .permute(1, 2, 0).contiguous(), persistent=False)
         self.register_buffer("scale16", bf16(s / 16).T.contiguous())      # packed as bf16(scale / 16): nibble << 4
-        self.register_buffer("ksum", packed_ksum(qdata.to(torch.int64), s, self.group))
+        self.register_buffer("ksum", packed_ksum(qdata, s, self.group))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, k = x.shape, self.qdata.shape[1]
+        shape, k = x.shape, self.in_features
         x2 = x.reshape(-1, k).float()
         mult, dq, zp = row_qparams(x2, self.unsigned)
         a = quantize_rows(x2, mult, zp, self.unsigned)
         out = self.ksum[None, :] * zp.float()[:, None]                    # the running sum starts at ksum * zp
         groups = k // self.group
         # every group's exact int32 dot at once ([groups, rows, out]), then cvtdq2ps; the fp32 sum stays in order
-        acc = torch.bmm(a.to(self.sum_dtype).reshape(-1, groups, self.group).transpose(0, 1), self.w16).float()
+        acc = torch.bmm(a.to(self.sum_dtype).reshape(-1, groups, self.group).transpose(0, 1),
+                        self.w16.to(self.sum_dtype)).float()
         out = fma32_chain(acc, self.scale16, out)
         out = out * dq[:, None]                                           # the row's scale after all groups
         if self.bias is not None:
