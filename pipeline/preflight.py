@@ -12,6 +12,7 @@ import fnmatch
 import typing
 from typing import Optional
 
+import psutil
 from omegaconf import DictConfig, ListConfig
 
 from pipeline.backends import BACKENDS
@@ -22,13 +23,15 @@ from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.model.kv_layout import geometry_layout, ring_slots
+from pipeline.model.quantization import head_scheme
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 Problems = list[tuple[str, object, str]]
 
 
-def check(cfg, geometry_fn=None) -> Optional[Geometry]:
-    """Raise ConfigError listing every problem; returns the model geometry when it could be read."""
+def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None) -> Optional[Geometry]:
+    """Raise ConfigError listing every problem; returns the model geometry when it could be read. A build that would
+    not fit this machine's memory (total_bytes, default: all of it) is refused here, before any download."""
     problems = unknown_key_problems(cfg)
     if problems:  # the other rules read the schema's keys; report the strangers alone
         raise ConfigError(problems)
@@ -45,6 +48,7 @@ def check(cfg, geometry_fn=None) -> Optional[Geometry]:
     if geometry is not None:
         problems += geometry_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)
+        problems += memory_problems(cfg, geometry, total_bytes or psutil.virtual_memory().total)
     if problems:
         raise ConfigError(problems)
     return geometry
@@ -253,11 +257,21 @@ def _source_value(m):
 
 
 # --------------------------------------------------------------------------------------------------
-# memory estimates: from the geometry, never the weights. The export + lower peak RSS over the fp32 weights is
-# each route's EXPORT_PEAK_OVER_WEIGHTS; the native route's was measured (one build per process): SmolLM2-135M
-# (540 MB fp32) peaks at 3.2 GiB lowering fp32 and 2.1 GiB lowering 8da4w; gemma-3-270m (1.07 GB) 2.7 GiB (8da4w)
+# memory estimates: from the geometry, never the weights. Each stage's peak RSS (the build's own process, as the run
+# manifest records it) = the process itself + coefficients x what it holds, in GiB per GiB: `weights` the fp32
+# weights, `module` the quantized eager module, `embedding` the fp32 embedding table (the vocabulary's rows: the
+# tokenizer, logits); and `layers` GiB per 100 layers (the graph export and lowering trace). Fitted to the measured
+# peaks of bench/scaling.py (random weights at SmolLM2-135M, gemma-3-270m and Llama-3.2-1B geometry, 8da4w: every
+# stage within 20 %); export and lower are each exporter's (STAGE_PEAK). download depends on the source.
 # --------------------------------------------------------------------------------------------------
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PROCESS_GIB = 0.45  # python + torch + transformers + executorch, before any model
+STAGE_PEAK = {"wrap": {"weights": 0.45, "embedding": 3.0},
+              "quantize": {"weights": 1.32, "embedding": 3.67},
+              "verify": {"weights": 1.0, "module": 3.06, "embedding": 2.9, "layers": 3.22}}
+DOWNLOAD_PEAK = {"random": {"weights": 0.97, "embedding": 0.98},   # builds and saves the model
+                 "gguf": {"weights": 2.0, "embedding": 0.98},      # dequantizes the file's tensors
+                 "hf": {}, "local": {}}                            # copies files
 
 
 def parameter_count(g: Geometry) -> int:
@@ -281,18 +295,50 @@ def kv_cache_bytes(cfg, g: Geometry) -> int:
     return total
 
 
+def weight_bytes(scheme: str, group: int, dtype: str) -> float:
+    """Bytes a weight takes in the eager module after quantize: torchao holds 4-bit values in int8 and each group
+    adds a scale and a zero point; nvfp4 packs two values a byte with an fp8 scale per 16."""
+    if scheme == "none":
+        return DTYPE_BYTES[dtype]
+    if scheme == "nvfp4":
+        return 0.5 + 1 / 16
+    return 1 + (8 / group if group else 0)
+
+
+def module_bytes(cfg, g: Geometry) -> int:
+    """The quantized eager module's weight bytes (linears, embedding, an lm_head of its own), from the geometry."""
+    q, dtype = cfg.quantize, v(cfg.export.dtype)
+    embed = g.vocab_size * g.hidden_size
+    linears = parameter_count(g) - embed - (0 if g.tie_word_embeddings else embed)
+    head, head_group = head_scheme(q)
+    retied = g.tie_word_embeddings and q.tie_word_embeddings and v(q.embedding) != "none" and \
+        (v(q.embedding), q.embedding_group_size) == (head, head_group)
+    total = linears * weight_bytes(v(q.linear), q.linear_group_size, dtype)
+    total += embed * weight_bytes(v(q.embedding), q.embedding_group_size, dtype)
+    if not retied and not (g.tie_word_embeddings and head == v(q.embedding) == "none"):
+        total += embed * weight_bytes(head, head_group, dtype)
+    return int(total)
+
+
 def memory_estimate(cfg, g: Geometry) -> dict:
-    weights = parameter_count(g) * 4  # export works on fp32 (or dequantized) weights
-    ratio = EXPORTERS[cfg.export.exporter].EXPORT_PEAK_OVER_WEIGHTS
-    return {"params": parameter_count(g), "export_peak_bytes": int(weights * ratio),
+    """Each stage's peak RSS in bytes (stage_peak_bytes), the largest (peak_bytes), and the KV cache's bytes."""
+    held = {"weights": parameter_count(g) * 4 / 2**30, "module": module_bytes(cfg, g) / 2**30,
+            "embedding": g.vocab_size * g.hidden_size * 4 / 2**30, "layers": g.num_layers / 100}
+    factors = {"download": DOWNLOAD_PEAK[v(cfg.model.source)], **STAGE_PEAK,
+               **EXPORTERS[cfg.export.exporter].STAGE_PEAK}
+    peaks = {stage: int((PROCESS_GIB + sum(c * held[k] for k, c in f.items())) * 2**30)
+             for stage, f in factors.items()}
+    return {"params": parameter_count(g), "weights_bytes": parameter_count(g) * 4,
+            "module_bytes": module_bytes(cfg, g), "stage_peak_bytes": peaks, "peak_bytes": max(peaks.values()),
             "kv_cache_bytes": kv_cache_bytes(cfg, g)}
 
 
 def memory_problems(cfg, g: Geometry, total_bytes: int) -> Problems:
     est = memory_estimate(cfg, g)
     out = []
-    if est["export_peak_bytes"] > total_bytes:
-        out.append(("model", cfg.model.name, f"export needs about {est['export_peak_bytes'] / 2**30:.1f} GiB, "
+    if est["peak_bytes"] > total_bytes:
+        stage = max(est["stage_peak_bytes"], key=est["stage_peak_bytes"].get)
+        out.append(("model", cfg.model.name, f"the {stage} stage needs about {est['peak_bytes'] / 2**30:.1f} GiB, "
                                               f"this machine has {total_bytes / 2**30:.1f} GiB"))
     if est["kv_cache_bytes"] > total_bytes / 4:
         out.append(("export.max_context_len", cfg.export.max_context_len,

@@ -15,7 +15,7 @@ from pipeline.config import Thresholds
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import sources
 from pipeline.model.geometry import Geometry
-from pipeline.preflight import check, memory_estimate, memory_problems
+from pipeline.preflight import check, memory_estimate
 
 TINY_FOR_ARCH = {"llama": "tiny_llama", "gemma3": "tiny_gemma3", "gemma3_text": "tiny_gemma3",
                  "gemma4_text": "tiny_gemma4"}
@@ -56,7 +56,7 @@ def validate_recipe(name: str, total_bytes: int) -> tuple[list[tuple[str, object
         detail = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip())
         return [("(composition)", name, detail[:400])], None, None
     try:
-        g = check(cfg)
+        g = check(cfg, total_bytes=total_bytes)  # the memory rule included
         problems = []
     except ConfigError as e:
         problems, g = list(e.problems), None
@@ -64,11 +64,7 @@ def validate_recipe(name: str, total_bytes: int) -> tuple[list[tuple[str, object
             g = sources.geometry(cfg.model)
         except PipelineError:
             pass
-    est = None
-    if g is not None:
-        problems += memory_problems(cfg, g, total_bytes)
-        est = memory_estimate(cfg, g)
-    return problems, est, g
+    return problems, memory_estimate(cfg, g) if g is not None else None, g
 
 
 def smoke(name: str, g: Geometry) -> Optional[str]:
@@ -135,9 +131,9 @@ def main(argv=None) -> int:
         bad += bool(problems)
         rows.append((name, problems, est, "FAIL" if problems else "ok"))
     w = max(len(n) for n in names)
-    print(f"{'recipe':<{w}}  {'status':<6}  {'export peak':>11}  {'KV cache':>9}  problems")
+    print(f"{'recipe':<{w}}  {'status':<6}  {'peak RSS':>11}  {'KV cache':>9}  problems")
     for name, problems, est, status in rows:
-        exp = f"{est['export_peak_bytes'] / 2**30:.1f} GiB" if est else "-"
+        exp = f"{est['peak_bytes'] / 2**30:.1f} GiB" if est else "-"
         kv = f"{est['kv_cache_bytes'] / 2**20:.1f} MiB" if est else "-"
         first = True
         for key, value, why in problems or [("", "", "")]:

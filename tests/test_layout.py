@@ -87,6 +87,7 @@ def test_backends_declare_their_interface(name):
 @pytest.mark.parametrize("name", sorted(EXPORTERS))
 def test_exporters_declare_their_interface(name):
     e = EXPORTERS[name]
-    assert e.EXPORT_PEAK_OVER_WEIGHTS > 0
+    assert set(e.STAGE_PEAK) == {"export", "lower"}
+    assert all(set(f) <= {"weights", "module", "embedding", "layers"} and min(f.values()) > 0 for f in e.STAGE_PEAK.values())
     for fn in ("problems", "geometry_problems", "export", "lower", "artifacts"):
         assert callable(getattr(e, fn)), fn

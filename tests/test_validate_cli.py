@@ -4,6 +4,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pipeline import preflight
 from pipeline.model.geometry import Geometry
 from tests.helpers import ROOT, compose_cfg
@@ -93,3 +95,16 @@ def test_smoke_builds_a_real_recipe_on_a_tiny_model_of_its_architecture(tmp_path
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "smollm2_custom (smoke on tiny_llama)" in r.stdout and "0 with problems" in r.stdout
+
+
+def test_every_stage_has_an_estimate_and_a_build_that_would_not_fit_is_refused_before_download():
+    from pipeline.errors import ConfigError
+    from pipeline.model import sources
+    from pipeline.stages import ORDER
+    cfg = compose_cfg("recipe=scale_llama32_1b")  # Llama-3.2-1B geometry, random weights: nothing to read but config
+    est = preflight.memory_estimate(cfg, sources.geometry(cfg.model))
+    assert sorted(est["stage_peak_bytes"]) == sorted(ORDER)
+    assert est["peak_bytes"] == max(est["stage_peak_bytes"].values()) > est["weights_bytes"]
+    assert preflight.check(cfg, total_bytes=24 << 30) is not None
+    with pytest.raises(ConfigError, match=r"the \w+ stage needs about [\d.]+ GiB, this machine has 8.0 GiB"):
+        preflight.check(cfg, total_bytes=8 << 30)

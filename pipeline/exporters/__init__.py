@@ -1,7 +1,7 @@
 """Who exports and lowers, one module per route; the file name is the `export.exporter` value.
 
 Each declares:
-    EXPORT_PEAK_OVER_WEIGHTS      -- export + lower peak RSS over the fp32 weights (preflight's memory estimate)
+    STAGE_PEAK                    -- export's and lower's peak RSS (pipeline/preflight.py memory estimates)
     problems(cfg), geometry_problems(cfg, geometry) -- what the route cannot build: [(key, value, why)]
     export(ctx), lower(ctx)       -- the export and lower stages' work; lower writes lower.json with a `program`
                                      record (layout, file(s), runtime, kernels) that pipeline/runtimes opens

@@ -19,7 +19,8 @@ from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_streaming
 
-EXPORT_PEAK_OVER_WEIGHTS = 6.0  # see pipeline/preflight.py: memory estimates
+# peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK (memory estimates) reads it
+STAGE_PEAK = {"export": {"module": 2.0, "layers": 1.93}, "lower": {"module": 3.06, "layers": 2.62}}
 PROGRAM = "model.pte"
 MATMUL_OPS = ("aten_linear_default", "aten_mm_default", "aten_addmm_default")
 

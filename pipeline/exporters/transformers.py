@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 
 # the exporter's xnnpack backend lowers from a StaticCache capture; its mlx backend refuses one: a DynamicCache
 CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
-# export + lower peak RSS over the fp32 weights: SmolLM2 fp32 (prefill then decode, one model alive at a time) 4.3 GiB
-EXPORT_PEAK_OVER_WEIGHTS = 8.5
+# peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK: SmolLM2 fp32 (prefill then decode, one
+# model alive at a time) 4.3 GiB
+STAGE_PEAK = {"export": {"weights": 8.5}, "lower": {"weights": 8.5}}
 COMPONENTS = ("prefill", "decode")
 # files of an exporter folder that the lower entry carries (ExportedModel.from_pretrained reads them)
 FOLDER_FILES = ("prefill.pte", "decode.pte", "export.json", "config.json", "generation_config.json")
