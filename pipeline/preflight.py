@@ -306,11 +306,12 @@ def weight_bytes(scheme: str, group: int, dtype: str) -> float:
     return 1 + (8 / group if group else 0)
 
 
-def module_bytes(cfg, g: Geometry) -> int:
-    """The quantized eager module's weight bytes (linears, embedding, an lm_head of its own), from the geometry."""
+def module_bytes(cfg, g: Geometry, params: int) -> int:
+    """The quantized eager module's weight bytes (linears, embedding, an lm_head of its own), from the geometry and
+    its parameter count."""
     q, dtype = cfg.quantize, v(cfg.export.dtype)
     embed = g.vocab_size * g.hidden_size
-    linears = parameter_count(g) - embed - (0 if g.tie_word_embeddings else embed)
+    linears = params - embed - (0 if g.tie_word_embeddings else embed)
     head, head_group = head_scheme(q)
     retied = g.tie_word_embeddings and q.tie_word_embeddings and v(q.embedding) != "none" and \
         (v(q.embedding), q.embedding_group_size) == (head, head_group)
@@ -323,14 +324,16 @@ def module_bytes(cfg, g: Geometry) -> int:
 
 def memory_estimate(cfg, g: Geometry) -> dict:
     """Each stage's peak RSS in bytes (stage_peak_bytes), the largest (peak_bytes), and the KV cache's bytes."""
-    held = {"weights": parameter_count(g) * 4 / 2**30, "module": module_bytes(cfg, g) / 2**30,
+    params = parameter_count(g)
+    module = module_bytes(cfg, g, params)
+    held = {"weights": params * 4 / 2**30, "module": module / 2**30,
             "embedding": g.vocab_size * g.hidden_size * 4 / 2**30, "layers": g.num_layers / 100}
     factors = {"download": DOWNLOAD_PEAK[v(cfg.model.source)], **STAGE_PEAK,
                **EXPORTERS[cfg.export.exporter].STAGE_PEAK}
     peaks = {stage: int((PROCESS_GIB + sum(c * held[k] for k, c in f.items())) * 2**30)
              for stage, f in factors.items()}
-    return {"params": parameter_count(g), "weights_bytes": parameter_count(g) * 4,
-            "module_bytes": module_bytes(cfg, g), "stage_peak_bytes": peaks, "peak_bytes": max(peaks.values()),
+    return {"params": params, "weights_bytes": params * 4, "module_bytes": module,
+            "stage_peak_bytes": peaks, "peak_bytes": max(peaks.values()),
             "kv_cache_bytes": kv_cache_bytes(cfg, g)}
 
 

@@ -131,18 +131,19 @@ def quantize_one(model: nn.Module, name: str, config) -> None:
     module = model.get_submodule(name)
     rows, cols = module.weight.shape
     step = max(1, CHUNK_ELEMENTS // cols)
-    if rows <= step:
-        quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)
-        return
     parts = []
-    for r in range(0, rows, step):
+    for r in range(0, rows, step) if rows > step else ():
         piece = _same_kind(module, module.weight.detach()[r:r + step])
         quantize_(piece, config, filter_fn=lambda m, fqn: fqn == "")
-        parts.append(piece.weight)
-    first = parts[0]
-    if type(first) is not IntxUnpackedToInt8Tensor or tuple(first.block_size)[0] != 1:
-        quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)  # a layout whose groups may span rows
+        w = piece.weight
+        if type(w) is not IntxUnpackedToInt8Tensor or tuple(w.block_size)[0] != 1:
+            parts = []  # a layout whose groups may span rows (the first slice shows it): quantized whole
+            break
+        parts.append(w)
+    if not parts:
+        quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)
         return
+    first = parts[0]
     joined = IntxUnpackedToInt8Tensor(
         *(None if getattr(first, n) is None else torch.cat([getattr(p, n) for p in parts])
           for n in ("qdata", "scale", "zero_point")),

@@ -129,3 +129,24 @@ def test_large_weights_quantized_in_row_slices_equal_one_piece(monkeypatch, sche
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("qdata", "scale", "zero_point"))
     ids, x = torch.randint(0, 1000, (7,)), torch.randn(3, 64)
     assert torch.equal(sliced.embed(ids), whole.embed(ids)) and torch.equal(sliced.proj(x), whole.proj(x))
+
+
+def test_a_layout_that_is_not_row_local_is_quantized_whole_after_one_slice(monkeypatch):
+    """nvfp4's tensor is not torchao's int8-unpacked layout: the first slice shows it, the weight is quantized whole."""
+    from torchao.quantization import quantize_
+
+    from pipeline.model import quantization
+    torch.manual_seed(0)
+    sliced, whole = nn.Module(), nn.Module()
+    for m in (sliced, whole):
+        m.proj = nn.Linear(64, 1504, bias=False)
+    whole.load_state_dict(sliced.state_dict())
+    monkeypatch.setattr(quantization, "CHUNK_ELEMENTS", 64 * 96)
+    slices, same_kind = [], quantization._same_kind
+    monkeypatch.setattr(quantization, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
+    config = quantization.torchao_config("nvfp4", 16)
+    quantization.quantize_one(sliced, "proj", config)
+    quantize_(whole, config, filter_fn=lambda m, fqn: fqn == "proj")
+    assert slices == [96] and type(sliced.proj.weight) is type(whole.proj.weight)
+    x = torch.randn(3, 64)
+    assert torch.equal(sliced.proj(x), whole.proj(x))
