@@ -275,11 +275,35 @@ DOWNLOAD_PEAK = {"random": {"weights": 0.97, "embedding": 0.98},   # builds and 
                  "hf": {}, "local": {}}                            # copies files
 
 
+def embedding_parameters(g: Geometry) -> int:
+    """The embedding tables' parameters: the token embedding and Gemma 4's per-layer input table (vocabulary x
+    layers x per_layer_input), both nn.Embedding, both gathered, both quantized by the embedding scheme."""
+    return g.vocab_size * (g.hidden_size + g.num_layers * g.per_layer_input)
+
+
 def parameter_count(g: Geometry) -> int:
-    attn = g.hidden_size * g.head_dim * (2 * g.num_heads + 2 * g.num_kv_heads)
-    mlp = 3 * g.hidden_size * g.intermediate_size
+    """Every weight of the text model, layer by layer as geometry.linears() lists them (per-layer head dims, no K/V
+    projections in KV-shared layers, double-width MLPs), plus the norms, the embedding tables and an lm_head of its
+    own."""
+    out_features = {"q_proj": lambda i: g.num_heads * g.layer_head_dim(i),
+                    "k_proj": lambda i: g.layer_kv_head_count(i) * g.layer_head_dim(i),
+                    "o_proj": lambda i: g.hidden_size,
+                    "gate_proj": lambda i: g.intermediate_size * (2 if i in g.wide_mlp_layers else 1),
+                    "down_proj": lambda i: g.hidden_size,
+                    "per_layer_input_gate": lambda i: g.per_layer_input,
+                    "per_layer_projection": lambda i: g.hidden_size}
+    out_features["v_proj"], out_features["up_proj"] = out_features["k_proj"], out_features["gate_proj"]
+    linears = 0
+    for name, n_in in g.linears().items():
+        if name == "lm_head":
+            continue
+        if name == "model.per_layer_model_projection":
+            linears += n_in * g.num_layers * g.per_layer_input
+            continue
+        layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
+        linears += n_in * out_features[proj](layer)
     head = 0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size
-    return g.vocab_size * g.hidden_size + g.num_layers * (attn + mlp + 2 * g.hidden_size) + head
+    return embedding_parameters(g) + linears + g.num_layers * 2 * g.hidden_size + head
 
 
 def kv_cache_bytes(cfg, g: Geometry) -> int:
@@ -310,15 +334,15 @@ def module_bytes(cfg, g: Geometry, params: int) -> int:
     """The quantized eager module's weight bytes (linears, embedding, an lm_head of its own), from the geometry and
     its parameter count."""
     q, dtype = cfg.quantize, v(cfg.export.dtype)
-    embed = g.vocab_size * g.hidden_size
-    linears = params - embed - (0 if g.tie_word_embeddings else embed)
+    embed, head_rows = embedding_parameters(g), g.vocab_size * g.hidden_size
+    linears = params - embed - (0 if g.tie_word_embeddings else head_rows)
     head, head_group = head_scheme(q)
     retied = g.tie_word_embeddings and q.tie_word_embeddings and v(q.embedding) != "none" and \
         (v(q.embedding), q.embedding_group_size) == (head, head_group)
     total = linears * weight_bytes(v(q.linear), q.linear_group_size, dtype)
     total += embed * weight_bytes(v(q.embedding), q.embedding_group_size, dtype)
     if not retied and not (g.tie_word_embeddings and head == v(q.embedding) == "none"):
-        total += embed * weight_bytes(head, head_group, dtype)
+        total += head_rows * weight_bytes(head, head_group, dtype)
     return int(total)
 
 

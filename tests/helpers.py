@@ -30,6 +30,15 @@ CI_BUILDS = {
 
 # a build of a model this size or larger is a real-model build (the tiny random models have well under 1M)
 REAL_PARAMETERS = 10_000_000
+# google/gemma-4-E2B-it's text_config (its published config.json, the fields geometry reads): the hub recipes'
+# geometry where the hub cannot be reached
+GEMMA4_E2B_TEXT_CONFIG = {
+    "model_type": "gemma4_text", "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "vocab_size": 262144, "vocab_size_per_layer_input": 262144, "hidden_size_per_layer_input": 256,
+    "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "attention_k_eq_v": False, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7, "tie_word_embeddings": True,
+}
 
 # set by tests/conftest.py before each test's fixtures: is the running test in the slow tier?
 CURRENT = {"test": None, "slow": False}

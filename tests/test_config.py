@@ -9,7 +9,7 @@ from pipeline.config import v
 from pipeline.model.geometry import from_hf_config
 from pipeline.validate import NEEDS_HUB, hub_offline_unless_reachable
 from pipeline.recipes import recipe_files
-from tests.helpers import compose_cfg
+from tests.helpers import GEMMA4_E2B_TEXT_CONFIG, compose_cfg
 
 RECIPES = sorted(recipe_files())
 
@@ -26,15 +26,16 @@ def test_recipes_found_recursively(tmp_path):
 def test_recipe_composes_and_passes_preflight(recipe):
     cfg = compose_cfg(f"recipe={recipe}")
     if v(cfg.model.source) == "hf" and not hub_offline_unless_reachable():
-        # no hub here: its config.json is the only thing missing, and on the geometry of HF's default config of
-        # the architecture (Gemma4TextConfig(): 30 layers, window 512, global head dim 512) every other rule passes
+        # no hub here: its config.json is the only thing missing. On gemma-4-E2B-it's geometry every rule passes on
+        # a machine of 64 GiB; 24 GiB is too small for its verify (it holds the fp32 model: 4.6B parameters, 17 GiB)
         with pytest.raises(ConfigError) as e:
             preflight.check(cfg)
         assert all(NEEDS_HUB in why for _, _, why in e.value.problems), e.value.problems
-        assert cfg.model.name.startswith("gemma-4"), "a hub recipe of another architecture: pick its config here"
-        from transformers.models.gemma4 import Gemma4TextConfig
-        default = from_hf_config(Gemma4TextConfig().to_dict())
-        geometry = preflight.check(cfg, geometry_fn=lambda m: default)
+        assert cfg.model.repo_id == "google/gemma-4-E2B-it", "a hub recipe of another model: pick its config here"
+        e2b = from_hf_config(GEMMA4_E2B_TEXT_CONFIG)
+        geometry = preflight.check(cfg, geometry_fn=lambda m: e2b, total_bytes=64 << 30)
+        with pytest.raises(ConfigError, match=r"the verify stage needs about [\d.]+ GiB, this machine has 24.0 GiB"):
+            preflight.check(cfg, geometry_fn=lambda m: e2b, total_bytes=24 << 30)
     else:
         geometry = preflight.check(cfg)
     assert geometry is not None and geometry.num_layers > 0

@@ -58,6 +58,33 @@ def test_memory_estimates():
     assert not preflight.memory_problems(cfg, g, total_bytes=24 << 30)
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3_270m", "gemma4_e2b", "gemma4_default", "gemma4_keqv"])
+def test_parameter_count_is_the_models(name):
+    """preflight's count from the geometry against the model transformers builds (on the meta device): per-layer
+    head dims, KV-shared layers without K/V, double-width MLPs, Gemma 4's per-layer embedding table."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Gemma4TextConfig, LlamaConfig
+    from pipeline.model.geometry import from_hf_config
+    from tests.helpers import GEMMA4_E2B_TEXT_CONFIG
+    e2b = {k: x for k, x in GEMMA4_E2B_TEXT_CONFIG.items() if k != "model_type"}
+    config = {"smollm2": lambda: LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                             num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                             tie_word_embeddings=True),
+              "gemma3_270m": lambda: Gemma3TextConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                                      num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                                      vocab_size=262144),
+              "gemma4_e2b": lambda: Gemma4TextConfig(**e2b),
+              "gemma4_default": Gemma4TextConfig,
+              "gemma4_keqv": lambda: Gemma4TextConfig(**dict(e2b, attention_k_eq_v=True, num_global_key_value_heads=2,
+                                                               num_kv_shared_layers=10, use_double_wide_mlp=False))
+              }[name]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() < 2 or "norm" in n)
+    counted = preflight.parameter_count(from_hf_config(config.to_dict()))
+    assert abs(counted - sum(p.numel() for p in model.parameters())) <= norms, (counted, norms)
+
+
 def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
     g = Geometry(arch="gemma3", hidden_size=640, intermediate_size=2048, num_layers=2, num_heads=4, num_kv_heads=1,
                  head_dim=256, vocab_size=1000, layer_types=["sliding_attention", "full_attention"],
