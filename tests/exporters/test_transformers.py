@@ -102,8 +102,9 @@ def test_exporter_changes_the_export_key_and_shares_download_wrap_quantize(built
     assert [s["key"] for s in shared["stages"]] == [s["key"] for s in built["stages"][:3]]
 
 
-# 8da4w runs in CI; 8w (the exact weight-only handover) in the slow tier
-@pytest.mark.parametrize("scheme", [pytest.param("8w", marks=pytest.mark.slow), "8da4w"])
+# the slow tier (CI builds the route unquantized, test_route_builds_and_verifies_exactly)
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["8w", "8da4w"])
 def test_quantized_handover_verifies(scheme):
     """Our torchao quantize stage, handed over: weight-only is exact against eager torchao; 8da4w within the
     calibrated quantized thresholds."""

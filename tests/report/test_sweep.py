@@ -91,6 +91,7 @@ def test_two_sweeps_and_a_gc_at_once_share_one_cache_without_duplicates():
     shutil.rmtree(ROOT / out)
 
 
+@pytest.mark.slow  # CI runs sweeps on the basic launcher
 @pytest.mark.skipif(os.cpu_count() < 2, reason="parallel jobs need two cores")
 def test_joblib_launcher_runs_jobs_in_parallel_workers():
     out = f"outputs/tests/joblib-{uuid.uuid4().hex[:8]}"  # a fresh store: both jobs build (no cache hits)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pipeline.paths import ROOT
 from pipeline.store import Store
 from pipeline.store.files import read_manifest, sha256_file
@@ -117,6 +119,7 @@ def test_kill_9_during_a_stage_then_rerun(tmp_path):
         subprocess.run(["rm", "-rf", str(ROOT / out)])
 
 
+@pytest.mark.slow  # CI keeps kill -9 during a stage: the same rerun, without the interrupt's cleanup
 def test_ctrl_c_during_a_stage_then_rerun():
     out = f"outputs/test-sigint-{os.getpid()}"
     try:
