@@ -282,28 +282,11 @@ def embedding_parameters(g: Geometry) -> int:
 
 
 def parameter_count(g: Geometry) -> int:
-    """Every weight of the text model, layer by layer as geometry.linears() lists them (per-layer head dims, no K/V
-    projections in KV-shared layers, double-width MLPs), plus the norms, the embedding tables and an lm_head of its
-    own."""
-    out_features = {"q_proj": lambda i: g.num_heads * g.layer_head_dim(i),
-                    "k_proj": lambda i: g.layer_kv_head_count(i) * g.layer_head_dim(i),
-                    "o_proj": lambda i: g.hidden_size,
-                    "gate_proj": lambda i: g.intermediate_size * (2 if i in g.wide_mlp_layers else 1),
-                    "down_proj": lambda i: g.hidden_size,
-                    "per_layer_input_gate": lambda i: g.per_layer_input,
-                    "per_layer_projection": lambda i: g.hidden_size}
-    out_features["v_proj"], out_features["up_proj"] = out_features["k_proj"], out_features["gate_proj"]
-    linears = 0
-    for name, n_in in g.linears().items():
-        if name == "lm_head":
-            continue
-        if name == "model.per_layer_model_projection":
-            linears += n_in * g.num_layers * g.per_layer_input
-            continue
-        layer, proj = int(name.split(".")[2]), name.rsplit(".", 1)[-1]
-        linears += n_in * out_features[proj](layer)
-    head = 0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size
-    return embedding_parameters(g) + linears + g.num_layers * 2 * g.hidden_size + head
+    """Every weight of the text model: its linears as geometry.linear_shapes() lists them (lm_head unless tied),
+    the norms and the embedding tables."""
+    linears = sum(n_out * n_in for name, (n_out, n_in) in g.linear_shapes().items()
+                  if name != "lm_head" or not g.tie_word_embeddings)
+    return embedding_parameters(g) + linears + g.num_layers * 2 * g.hidden_size
 
 
 def kv_cache_bytes(cfg, g: Geometry) -> int:

@@ -47,25 +47,30 @@ class Geometry:
     def shares_kv(self, i: int) -> bool:
         return bool(self.kv_source) and self.kv_source[i] != i
 
-    def linears(self) -> dict[str, int]:
-        """Every linear's module name (HF's Llama / Gemma layout) and its in_features."""
-        out = {}
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every linear's module name (HF's Llama / Gemma layout) and its (out_features, in_features)."""
+        h, out = self.hidden_size, {}
         for i in range(self.num_layers):
-            projs = ["q_proj"] if self.shares_kv(i) else \
-                ["q_proj", "k_proj"] + ([] if i in self.k_eq_v_layers else ["v_proj"])
-            for proj in projs:
-                out[f"model.layers.{i}.self_attn.{proj}"] = self.hidden_size
-            out[f"model.layers.{i}.self_attn.o_proj"] = self.num_heads * self.layer_head_dim(i)
+            q, kv = self.num_heads * self.layer_head_dim(i), self.layer_kv_head_count(i) * self.layer_head_dim(i)
+            projs = {"q_proj": q} if self.shares_kv(i) else \
+                {"q_proj": q, "k_proj": kv, **({} if i in self.k_eq_v_layers else {"v_proj": kv})}
+            for proj, n_out in projs.items():
+                out[f"model.layers.{i}.self_attn.{proj}"] = (n_out, h)
+            out[f"model.layers.{i}.self_attn.o_proj"] = (h, q)
             width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[f"model.layers.{i}.mlp.{proj}"] = width if proj == "down_proj" else self.hidden_size
+            out[f"model.layers.{i}.mlp.gate_proj"] = out[f"model.layers.{i}.mlp.up_proj"] = (width, h)
+            out[f"model.layers.{i}.mlp.down_proj"] = (h, width)
             if self.per_layer_input:
-                out[f"model.layers.{i}.per_layer_input_gate"] = self.hidden_size
-                out[f"model.layers.{i}.per_layer_projection"] = self.per_layer_input
+                out[f"model.layers.{i}.per_layer_input_gate"] = (self.per_layer_input, h)
+                out[f"model.layers.{i}.per_layer_projection"] = (h, self.per_layer_input)
         if self.per_layer_input:
-            out["model.per_layer_model_projection"] = self.hidden_size
-        out["lm_head"] = self.hidden_size
+            out["model.per_layer_model_projection"] = (self.num_layers * self.per_layer_input, h)
+        out["lm_head"] = (self.vocab_size, h)
         return out
+
+    def linears(self) -> dict[str, int]:
+        """Every linear's module name and its in_features."""
+        return {name: n_in for name, (_, n_in) in self.linear_shapes().items()}
 
     def linear_in_features(self) -> dict[str, int]:
         """in_features of each kind of linear (the distinct values per kind), plus lm_head."""
