@@ -22,6 +22,10 @@ import pytest
 
 import pte_layout
 
+# The slow tier (the sanitizer build alone is ~70 s); CI keeps the release runners' checks on damaged programs
+# (test_program_integrity.py)
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"
 ASAN_BUILD = NATIVE / "build-asan"
