@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline import abi
 from pipeline.paths import ROOT
 from pipeline.runtimes import open_program
 from pipeline.runtimes.base import run_sequence
@@ -44,6 +45,11 @@ CASES = {
     "llama custom_sdpa alone": ("tiny_llama_mlx", "cache.custom_kv_cache=false"),
     "llama custom_kv_cache alone": ("tiny_llama_mlx", "cache.custom_sdpa=false"),
 }
+# the MLX example's commands at its default dtype (bf16): the half gate, not the exact one
+BF16_CASES = {
+    "llama custom bf16 (tiny_llama_mlx_bf16)": ("tiny_llama_mlx_bf16",),
+    "gemma3 offgraph bf16 (tiny_gemma3_mlx_offgraph_bf16)": ("tiny_gemma3_mlx_offgraph_bf16",),
+}
 # the same on Gemma 3's sliding layers (window masks over flat caches): ~2 min more
 SLOW_CASES = {
     "gemma3 custom_sdpa alone": ("tiny_gemma3_mlx_offgraph", "cache=custom", "cache.custom_kv_cache=false"),
@@ -55,7 +61,7 @@ class _Builds(dict):
     """Each case built when a test first asks for it (a -k selection builds only what it needs)."""
 
     def __missing__(self, name):
-        self[name] = build(*{**CASES, **SLOW_CASES}[name])
+        self[name] = build(*{**CASES, **BF16_CASES, **SLOW_CASES}[name])
         return self[name]
 
 
@@ -84,6 +90,22 @@ def _fully_delegated_and_exact(m):
 @pytest.mark.parametrize("name", list(CASES))
 def test_builds_fully_delegated_and_verifies_exactly(built, name):
     _fully_delegated_and_exact(built[name])
+
+
+@pytest.mark.parametrize("name", list(BF16_CASES))
+def test_bf16_builds_fully_delegated_within_the_half_gate(built, name):
+    """bf16 end to end: the delegate takes every op, the interpreter runs bf16 (K/V in bf16 too), and verify holds
+    the program to bf16 eager relative to the build's own bf16 numerics floor."""
+    m = built[name]
+    assert m["status"] == "ok", m.get("error")
+    lower = _stage(m, "lower")["metrics"]
+    assert lower["delegated_subgraphs"] == 1
+    assert all(c["non_delegated"] == 0 for op, c in lower["delegation_by_op"].items() if op != "getitem")
+    v = m["verify"]
+    assert v["gate"] == "half" and v["runtime"].startswith("pipeline.runtimes.mlx")
+    assert v["same_quant"]["kld"] <= 1.5 * v["floor"]["kld"]
+    dtype = open_program(stage_path(m, "lower")).constant(abi.ACTIVATION_DTYPE)
+    assert dtype == abi.SCALAR_TYPE_CODES[abi.DTYPES["bf16"]]
 
 
 def _split_ops(m, sdpa_alone: bool):
@@ -136,7 +158,7 @@ def test_interpreter_covers_every_instruction_of_the_mlx_recipes(built):
     """Every MLX recipe (real ones included: the same architectures, modes and schemes as these tiny
     builds) emits only instructions the interpreter has a handler for."""
     seen: dict[str, set] = {}
-    for name in CASES:
+    for name in {**CASES, **BF16_CASES}:
         for op in MLXProgram(built[name]["pte"]).ops():
             seen.setdefault(op, set()).add(name)
     uncovered = {op: sorted(where) for op, where in seen.items() if not ops.Interpreter.covers(op)}
@@ -151,7 +173,7 @@ def test_every_mlx_recipe_has_a_tiny_twin_covered_here():
     real = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml")
                   if "backend: mlx" in p.read_text() and not p.stem.startswith("tiny_"))
     assert set(real) >= {"llama_mlx", "llama_mlx_int4", "gemma3_mlx_offgraph", "gemma4_mlx_4w"}
-    tiny = {args[0] for args in CASES.values()} | {r for (backend, _), r in GEMMA4_SLOW_TIER.items() if backend == "mlx"}
+    tiny = {args[0] for args in {**CASES, **BF16_CASES}.values()} | {r for (backend, _), r in GEMMA4_SLOW_TIER.items() if backend == "mlx"}
     assert all(f"tiny_{r}" in tiny for r in real), (real, tiny)
 
 
