@@ -82,6 +82,20 @@ inline void store(void* p, int code, int64_t i, float x) {
   }
 }
 
+// out[o + d] = x[d], d < n, in the output's type
+inline void store_row(void* out, int code, int64_t o, const float* x, int64_t n) {
+  switch (code) {
+    case kFloat: std::copy_n(x, n, static_cast<float*>(out) + o); break;
+    case kHalf:
+      for (int64_t d = 0; d < n; ++d) static_cast<Half*>(out)[o + d] = Half(x[d]);
+      break;
+    case kBFloat16:
+      for (int64_t d = 0; d < n; ++d) static_cast<BFloat16*>(out)[o + d] = BFloat16(x[d]);
+      break;
+    default: break;
+  }
+}
+
 // One storage row (D elements of type code `dtype`) as fp32: the row itself when stored as fp32, else
 // converted into buf.
 inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* buf) {
@@ -94,22 +108,64 @@ inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* bu
 
 constexpr int64_t kBlock = 32;  // keys per block of scores (online softmax)
 constexpr int kMaxSplits = 64;  // key splits of one query row (attend_segments)
+// Keys per split for a segment of few query rows (a decode step): its keys are shared out so every thread has
+// work, and the splits merged after. The split depends only on the segment (its rows and span), never on the
+// thread count or the other segments of the step: a session computes the same bits alone, batched, on any pool.
+constexpr int64_t kSplitKeys = 128;
+constexpr int64_t kSplitRows = 4;  // query rows up to which a segment splits its keys
 
-// What one work unit leaves for its rows: the running max and sum of its softmax and the unnormalized
-// output, per query head of the group.
+// sc[h * kBlock + j] = q_h . k[j] for the group's heads and four keys, a few heads per pass
+void scores(const float* qs, int64_t group, int64_t D, const float* const* k, float* sc) {
+  int64_t h = 0;
+  for (; h + 3 <= group; h += 3) simd::dot4_heads<3>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+  if (group - h == 2) simd::dot4_heads<2>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+  if (group - h == 1) simd::dot4_heads<1>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+}
+
+// acc[h][:] += sum_j w[h][j] v[j] for the group's heads over nb rows, a few heads per pass
+void weighted_sum(float* acc, int64_t Dv, const float* w, int64_t group, const float* const* v, int64_t nb) {
+  int64_t h = 0;
+  for (; h + 4 <= group; h += 4) simd::accumulate_rows_heads<4, 2>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 3) simd::accumulate_rows_heads<3, 2>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 2) simd::accumulate_rows_heads<2, 4>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 1) simd::accumulate_rows_heads<1, 4>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+}
+
+// Reads one float of every cache line of the rows of `n` slots (all KV heads), into the core's caches. A decode
+// step's attention reads each row once, a block at a time between its softmax steps, and the rows then arrive
+// a miss at a time; a plain pass over them first keeps many loads in flight (SmolLM2 at depth 447: the attention
+// of a token 1.8x faster; prefetch instructions gained less). A row group (prefill) reads its keys once per row,
+// from the caches after the first. The sum only keeps the loads.
+void warm(const SlotView& s, const int64_t* slots, int64_t n, float* sink) {
+  const int es = element_size(s.dtype);
+  const int64_t kbytes = s.head_dim * es, vbytes = s.v_dim * es;
+  float t = 0.f;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
+      const uint8_t* kr = s.k + (slots[j] * s.slot_stride(s.head_dim) + kh * s.head_stride(s.head_dim)) * es;
+      const uint8_t* vr = s.v + (slots[j] * s.slot_stride(s.v_dim) + kh * s.head_stride(s.v_dim)) * es;
+      for (int64_t o = 0; o < kbytes; o += 64) t += static_cast<float>(kr[o]);
+      for (int64_t o = 0; o < vbytes; o += 64) t += static_cast<float>(vr[o]);
+    }
+  *sink = t;
+}
+
+// What one work unit leaves for its row: the running max and sum of its softmax and the unnormalized output,
+// per query head.
 struct Partial {
-  float* m;
-  float* l;
-  float* acc;  // [group][Dv]
+  float* m;    // [Hq]
+  float* l;    // [Hq]
+  float* acc;  // [Hq][Dv]
 };
 
-// The attention of query row i of segment g, for the `group` query heads of KV head kh, over the visible keys
-// of split `split` of `splits` (an equal share of the visible range), online softmax in blocks of keys.
-// K and V rows are read (and converted from their storage type) once for the whole group.
-void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, int64_t kh, int64_t i, int split,
-                 int splits, Partial part, std::vector<float>& scratch) {
+// The attention of query row i of segment g, every query head, over the visible keys of split `split` of
+// `splits` (an equal share of the visible range), online softmax in blocks of keys. A block is read slot by slot
+// for every KV head in turn (a decode step's rows warmed first); each K/V row is read (and converted from its
+// storage type) once for the query heads of its group.
+void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, int64_t i, int split, int splits,
+                 Partial part, std::vector<float>& scratch) {
   const SlotView& s = g.view;
-  const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), group = Hq / s.kv_heads;
+  const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), Hkv = s.kv_heads, group = Hq / Hkv;
   const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
   const int es = element_size(s.dtype);
@@ -118,69 +174,84 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
   const int64_t n = qpos - lo + 1, per = (n + splits - 1) / splits;
   const int64_t k0 = lo + std::min<int64_t>(n, per * split), k1 = lo + std::min<int64_t>(n, per * (split + 1));
-  // scratch: queries [group][D], scores [group][kBlock], K rows [kBlock][D], V rows [kBlock][Dv] (half storage
-  // converted; fp32 rows are read in place)
-  scratch.resize(static_cast<size_t>(group * D + group * kBlock + kBlock * D + kBlock * Dv));
+  // scratch: queries [Hq][D], scores [group][kBlock], K rows [kBlock][D], V rows [kBlock][Dv] (half storage
+  // converted; fp32 rows are read in place), warm's sum
+  scratch.resize(static_cast<size_t>(Hq * D + group * kBlock + kBlock * D + kBlock * Dv + 1));
   float* qs = scratch.data();
-  float* sc = qs + group * D;
+  float* sc = qs + Hq * D;
   float* kbuf = sc + group * kBlock;
   float* vbuf = kbuf + kBlock * D;
   const void* qd = q.const_data_ptr();
   const ScalarType qt = q.scalar_type();
-  for (int64_t h = 0; h < group; ++h) {
-    const int64_t row = (kh * group + h) * Ttot + g.row0 + i;
-    for (int64_t d = 0; d < D; ++d) qs[h * D + d] = load(qd, qt, row * D + d) * scale;
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t row = h * Ttot + g.row0 + i;
+    if (qt == ScalarType::Float) {
+      const float* qf = static_cast<const float*>(qd) + row * D;
+      for (int64_t d = 0; d < D; ++d) qs[h * D + d] = qf[d] * scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) qs[h * D + d] = load(qd, qt, row * D + d) * scale;
+    }
     part.m[h] = -INFINITY;
     part.l[h] = 0.f;
-    std::fill(part.acc + h * Dv, part.acc + (h + 1) * Dv, 0.f);
   }
+  std::fill(part.acc, part.acc + Hq * Dv, 0.f);
   const float* krows[kBlock];
   const float* vrows[kBlock];
+  if (g.T <= kSplitRows) warm(s, g.read + (k0 - g.base), k1 - k0, &scratch.back());
   for (int64_t b0 = k0; b0 < k1; b0 += kBlock) {
     const int64_t nb = std::min(kBlock, k1 - b0);
-    for (int64_t j = 0; j < nb; ++j) {
-      const int64_t slot = g.read[b0 + j - g.base];
-      krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
-      vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      float* sh = sc + h * kBlock;
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      const int64_t h0 = kh * group;  // the group's first query head
+      for (int64_t j = 0; j < nb; ++j) {
+        const int64_t slot = g.read[b0 + j - g.base];
+        krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
+        vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
+      }
+      const float* qg = qs + h0 * D;
       int64_t j = 0;
-      for (; j + 4 <= nb; j += 4) simd::dot4(qs + h * D, krows + j, D, sh + j);
-      for (; j < nb; ++j) sh[j] = simd::dot(qs + h * D, krows[j], D);
-      float mx = part.m[h];
-      for (j = 0; j < nb; ++j) mx = std::max(mx, sh[j]);
-      const float corr = part.m[h] == -INFINITY ? 0.f : std::exp(part.m[h] - mx);
-      part.l[h] = part.l[h] * corr + simd::exp_sub_sum(sh, nb, mx);
-      part.m[h] = mx;
-      if (corr != 1.f)
-        for (int64_t d = 0; d < Dv; ++d) part.acc[h * Dv + d] *= corr;
+      for (; j + 4 <= nb; j += 4) scores(qg, group, D, krows + j, sc + j);
+      for (; j < nb; ++j)
+        for (int64_t h = 0; h < group; ++h) sc[h * kBlock + j] = simd::dot(qg + h * D, krows[j], D);
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = sc + h * kBlock;
+        float& m = part.m[h0 + h];
+        float mx = m;
+        for (j = 0; j < nb; ++j) mx = std::max(mx, sh[j]);
+        const float corr = m == -INFINITY ? 0.f : std::exp(m - mx);
+        part.l[h0 + h] = part.l[h0 + h] * corr + simd::exp_sub_sum(sh, nb, mx);
+        m = mx;
+        if (corr != 1.f) simd::scale_row(part.acc + (h0 + h) * Dv, Dv, corr);
+      }
+      weighted_sum(part.acc + h0 * Dv, Dv, sc, group, vrows, nb);
     }
-    for (int64_t h = 0; h < group; ++h) simd::accumulate_rows(part.acc + h * Dv, sc + h * kBlock, vrows, nb, Dv);
   }
 }
 
-// out row = acc / l, or the merge of a row's splits (each with its own max).
-void write_rows(const Segment& g, int64_t Ttot, int64_t kh, int64_t i, int splits, const float* m,
-                const float* l, const float* acc, int64_t group, void* out, int out_code) {
+// out rows of query row i, every head = acc / l, or the merge of the row's splits (each with its own max):
+// m, l [splits][Hq], acc [splits][Hq][Dv].
+void write_rows(const Segment& g, int64_t Ttot, int64_t i, int splits, const float* m, const float* l,
+                const float* acc, int64_t Hq, void* out, int out_code) {
   const int64_t Dv = g.view.v_dim;
-  for (int64_t h = 0; h < group; ++h) {
-    const int64_t row = (kh * group + h) * Ttot + g.row0 + i;
+  float x[1024];  // one output row before its store (Dv <= 1024: checked by attend_segments)
+  for (int64_t h = 0; h < Hq; ++h) {
+    const int64_t row = h * Ttot + g.row0 + i;
     float mx = -INFINITY;
-    for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, m[sp * group + h]);
+    for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, m[sp * Hq + h]);
     float total = 0.f;
     float w[kMaxSplits];
     for (int sp = 0; sp < splits; ++sp) {
-      const float ms = m[sp * group + h];
+      const float ms = m[sp * Hq + h];
       w[sp] = ms == -INFINITY ? 0.f : std::exp(ms - mx);
-      total += w[sp] * l[sp * group + h];
+      total += w[sp] * l[sp * Hq + h];
     }
     const float inv = 1.f / total;
-    for (int64_t d = 0; d < Dv; ++d) {
-      float x = 0.f;
-      for (int sp = 0; sp < splits; ++sp) x += w[sp] * acc[(sp * group + h) * Dv + d];
-      store(out, out_code, row * Dv + d, x * inv);
+    std::fill(x, x + Dv, 0.f);
+    for (int sp = 0; sp < splits; ++sp) {
+      const float* a = acc + (sp * Hq + h) * Dv;
+      for (int64_t d = 0; d < Dv; ++d) x[d] += w[sp] * a[d];
     }
+    for (int64_t d = 0; d < Dv; ++d) x[d] *= inv;
+    store_row(out, out_code, row * Dv, x, Dv);
   }
 }
 
@@ -270,11 +341,6 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
   }
 }
 
-// Keys per split for a segment of few query rows (a decode step): its keys are shared out so every thread has
-// work, and the splits merged after. The split depends only on the segment (its rows and span), never on the
-// thread count or the other segments of the step: a session computes the same bits alone, batched, on any pool.
-constexpr int64_t kSplitKeys = 128;
-constexpr int64_t kSplitRows = 4;  // query rows up to which a segment splits its keys
 
 int splits_of(const Segment& g) {
   if (g.T > kSplitRows) return 1;
@@ -283,19 +349,19 @@ int splits_of(const Segment& g) {
 
 void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
   const int64_t Hq = q.size(1), Ttot = q.size(2);
-  // work units: (segment, KV head, query row, key split); the query heads of a KV head share each K/V row read
+  // work units: (segment, query row, key split), each over every head
   std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
   std::vector<int> splits(static_cast<size_t>(n));
-  int64_t group_max = 1, dv_max = 1;
+  int64_t dv_max = 1;
   bool any_split = false;
   for (int g = 0; g < n; ++g) {
     splits[g] = splits_of(segs[g]);
     any_split |= splits[g] > 1;
-    first[g + 1] = first[g] + segs[g].view.kv_heads * segs[g].T * splits[g];
-    group_max = std::max(group_max, Hq / segs[g].view.kv_heads);
+    first[g + 1] = first[g] + segs[g].T * splits[g];
     dv_max = std::max(dv_max, segs[g].view.v_dim);
   }
-  const int64_t units = first[n], stride = group_max * (2 + dv_max);  // a unit's m, l, acc
+  ET_CHECK_MSG(dv_max <= 1024, "attention: head dim %lld > 1024", static_cast<long long>(dv_max));
+  const int64_t units = first[n], stride = Hq * (2 + dv_max);  // a unit's m, l, acc
   // split units keep their partials for the merge; the others write their rows at once from a local buffer
   std::vector<float> partials(any_split ? static_cast<size_t>(units * stride) : 0);
   auto body = [&](int64_t u0, int64_t u1) {
@@ -304,37 +370,33 @@ void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, v
     for (int64_t u = u0; u < u1; ++u) {
       while (u >= first[g + 1]) ++g;
       const Segment& s = segs[g];
-      const int64_t local_u = u - first[g], r = local_u / splits[g], i = r % s.T, kh = r / s.T;
+      const int64_t local_u = u - first[g], i = local_u / splits[g];
       const int sp = static_cast<int>(local_u % splits[g]);
       float* base = splits[g] > 1 ? partials.data() + u * stride : local.data();
-      const Partial part{base, base + group_max, base + 2 * group_max};
-      attend_unit(s, q, Ttot, scale, kh, i, sp, splits[g], part, scratch);
-      if (splits[g] == 1)
-        write_rows(s, Ttot, kh, i, 1, part.m, part.l, part.acc, Hq / s.view.kv_heads, out, out_code);
+      const Partial part{base, base + Hq, base + 2 * Hq};
+      attend_unit(s, q, Ttot, scale, i, sp, splits[g], part, scratch);
+      if (splits[g] == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);
     }
   };
   executorch::extension::parallel_for(0, units, 1, body);
   if (!any_split) return;
-  // merge: unit (g, kh, i, sp) sits at first[g] + (kh * T + i) * splits + sp
+  // merge: unit (g, i, sp) sits at first[g] + i * splits + sp
   std::vector<float> mm, ll, aa;
   for (int g = 0; g < n; ++g) {
     if (splits[g] == 1) continue;
-    const int64_t group = Hq / segs[g].view.kv_heads, Dv = segs[g].view.v_dim;
+    const int64_t Dv = segs[g].view.v_dim;
     const int sn = splits[g];
-    mm.resize(static_cast<size_t>(sn * group));
+    mm.resize(static_cast<size_t>(sn * Hq));
     ll.resize(mm.size());
-    aa.resize(static_cast<size_t>(sn * group * Dv));
-    for (int64_t r = 0; r < segs[g].view.kv_heads * segs[g].T; ++r) {
+    aa.resize(static_cast<size_t>(sn * Hq * Dv));
+    for (int64_t i = 0; i < segs[g].T; ++i) {
       for (int sp = 0; sp < sn; ++sp) {
-        const float* base = partials.data() + (first[g] + r * sn + sp) * stride;
-        for (int64_t h = 0; h < group; ++h) {
-          mm[sp * group + h] = base[h];
-          ll[sp * group + h] = base[group_max + h];
-          std::copy_n(base + 2 * group_max + h * Dv, Dv, aa.data() + (sp * group + h) * Dv);
-        }
+        const float* base = partials.data() + (first[g] + i * sn + sp) * stride;
+        std::copy_n(base, Hq, mm.data() + sp * Hq);
+        std::copy_n(base + Hq, Hq, ll.data() + sp * Hq);
+        std::copy_n(base + 2 * Hq, Hq * Dv, aa.data() + sp * Hq * Dv);
       }
-      write_rows(segs[g], Ttot, r / segs[g].T, r % segs[g].T, sn, mm.data(), ll.data(), aa.data(), group, out,
-                 out_code);
+      write_rows(segs[g], Ttot, i, sn, mm.data(), ll.data(), aa.data(), Hq, out, out_code);
     }
   }
 }

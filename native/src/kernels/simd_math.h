@@ -69,7 +69,9 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
 }
 
 // acc[d] += sum_j w[j] * rows[j][d], the accumulators held in registers across the rows (32 columns at a time)
-inline void accumulate_rows(float* acc, const float* w, const float* const* rows, int64_t nrows, int64_t n) {
+// (off: the rows' first column, for a caller that did the columns before it)
+inline void accumulate_rows(float* acc, const float* w, const float* const* rows, int64_t nrows, int64_t n,
+                            int64_t off = 0) {
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
   for (; d + 32 <= n; d += 32) {
@@ -77,7 +79,7 @@ inline void accumulate_rows(float* acc, const float* w, const float* const* rows
            a3 = _mm256_loadu_ps(acc + d + 24);
     for (int64_t j = 0; j < nrows; ++j) {
       const __m256 wj = _mm256_set1_ps(w[j]);
-      const float* r = rows[j] + d;
+      const float* r = rows[j] + off + d;
       a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), a0);
       a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), a1);
       a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), a2);
@@ -90,15 +92,82 @@ inline void accumulate_rows(float* acc, const float* w, const float* const* rows
   }
   for (; d + 8 <= n; d += 8) {
     __m256 a = _mm256_loadu_ps(acc + d);
-    for (int64_t j = 0; j < nrows; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows[j] + d), a);
+    for (int64_t j = 0; j < nrows; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows[j] + off + d), a);
     _mm256_storeu_ps(acc + d, a);
   }
 #endif
   for (; d < n; ++d) {
     float a = acc[d];
-    for (int64_t j = 0; j < nrows; ++j) a += w[j] * rows[j][d];
+    for (int64_t j = 0; j < nrows; ++j) a += w[j] * rows[j][off + d];
     acc[d] = a;
   }
+}
+
+// The same sums for HB query heads at once (a GQA group shares its K/V rows), so a row is read once for all of
+// them and HB x 4 (scores) or HB x C (weighted sums) accumulators run side by side instead of one FMA chain
+// waiting on the last. Each accumulator still adds its products in dot4's / accumulate_rows' order, and reduces
+// the same way: the bits of calling those once per head.
+
+// sc[h * ld + j] = sum_d q[h * D + d] * k[j][d], h < HB, j < 4
+template <int HB>
+inline void dot4_heads(const float* q, int64_t D, const float* const* k, float* sc, int64_t ld) {
+#ifdef LLMPIPE_AVX2
+  __m256 a[HB][4];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d),
+                 k3 = _mm256_loadu_ps(k[3] + d);
+    for (int h = 0; h < HB; ++h) {
+      const __m256 x = _mm256_loadu_ps(q + h * D + d);
+      a[h][0] = _mm256_fmadd_ps(x, k0, a[h][0]);
+      a[h][1] = _mm256_fmadd_ps(x, k1, a[h][1]);
+      a[h][2] = _mm256_fmadd_ps(x, k2, a[h][2]);
+      a[h][3] = _mm256_fmadd_ps(x, k3, a[h][3]);
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[h][0], a[h][1]), _mm256_hadd_ps(a[h][2], a[h][3]));
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    alignas(16) float r[4];
+    _mm_store_ps(r, s);
+    const float* qh = q + h * D;
+    for (int j = 0; j < 4; ++j) {
+      float x = r[j];
+      for (int64_t e = d; e < D; ++e) x += qh[e] * k[j][e];
+      sc[h * ld + j] = x;
+    }
+  }
+#else
+  for (int h = 0; h < HB; ++h) dot4(q + h * D, k, D, sc + h * ld);
+#endif
+}
+
+// acc[h * lda + d] += sum_j w[h * ldw + j] * rows[j][d], h < HB: C chunks of 8 columns at a time
+template <int HB, int C>
+inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64_t ldw, const float* const* rows,
+                                  int64_t nrows, int64_t n) {
+  int64_t d = 0;
+#ifdef LLMPIPE_AVX2
+  for (; d + 8 * C <= n; d += 8 * C) {
+    __m256 a[HB][C];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) a[h][c] = _mm256_loadu_ps(acc + h * lda + d + 8 * c);
+    for (int64_t j = 0; j < nrows; ++j) {
+      __m256 r[C];
+      for (int c = 0; c < C; ++c) r[c] = _mm256_loadu_ps(rows[j] + d + 8 * c);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 wj = _mm256_set1_ps(w[h * ldw + j]);
+        for (int c = 0; c < C; ++c) a[h][c] = _mm256_fmadd_ps(wj, r[c], a[h][c]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + h * lda + d + 8 * c, a[h][c]);
+  }
+#endif
+  if (d < n)
+    for (int h = 0; h < HB; ++h) accumulate_rows(acc + h * lda + d, w + h * ldw, rows, nrows, n - d, d);
 }
 
 inline float half_to_float(uint16_t h) {
@@ -165,6 +234,16 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 #endif
+
+// x[i] *= c
+inline void scale_row(float* x, int64_t n, float c) {
+  int64_t i = 0;
+#ifdef LLMPIPE_AVX2
+  const __m256 vc = _mm256_set1_ps(c);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), vc));
+#endif
+  for (; i < n; ++i) x[i] *= c;
+}
 
 // x[i] = exp(x[i] - m); returns the sum
 inline float exp_sub_sum(float* x, int64_t n, float m) {
