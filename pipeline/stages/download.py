@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.model import sources
 from pipeline.model.checkpoint import ensure_tokenizer, keep_text_model
+from pipeline.model.gguf_reads import shared_gguf_reads
 from pipeline.config import v
 from pipeline.report.progress import spinner
 from pipeline.store.files import sha256_file
@@ -80,7 +81,7 @@ def _gguf(m, ctx, out: Path) -> dict:
     info = {"gguf_file": str(path), "gguf_sha256": sha256_file(path)}
     if m.package:
         info["package"] = f"{m.package}=={md.version(m.package)}"
-    with spinner(f"dequantize {path.name}", ctx.progress):
+    with spinner(f"dequantize {path.name}", ctx.progress), shared_gguf_reads():
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # the weights are dequantized already; drop the gguf quantizer so the model can be saved
