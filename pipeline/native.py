@@ -191,12 +191,15 @@ def kv_args(policy, batched: bool = False) -> list[str]:
 
 
 def cache_args(manifest: dict) -> list[str]:
-    """The runner flags a built program needs, from its run manifest: a runtime-owned cache sized to the context."""
+    """The runner flags a built program needs, from its run manifest: a runtime-owned cache sized to the context,
+    its K/V stored as verify ran it (verify.runtime.kv_storage_dtype)."""
     from pipeline.model.cache_modes import CACHE_MODES
     cfg = manifest["config"]
     if not CACHE_MODES[cfg["cache"]["mode"]].RUNTIME_OWNED:
         return []
-    return ["--kv-max-capacity", str(cfg["export"]["max_context_len"])]
+    storage = cfg["verify"]["runtime"].get("kv_storage_dtype")
+    return ["--kv-max-capacity", str(cfg["export"]["max_context_len"]),
+            *(["--kv-storage-dtype", str(storage)] if storage is not None else [])]
 
 
 def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,

@@ -2,6 +2,7 @@
 // decoded token runs it (every layer its own K/V buffers, so a step reads them from memory, not cache).
 //
 //   native/build/attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16] [--model M] [--depth N]
+//                                [--rows T]     (a prefill chunk of T rows ending at the depth; default 1)
 //                                [--in-cache]   (every layer reads the same K/V: the compute alone)
 //                                [--cold]       (128 MB read before each token: K/V from memory, as in a runner)
 //
@@ -65,8 +66,9 @@ int code_of(const std::string& s) { return s == "fp16" ? kHalf : s == "bf16" ? k
 // shared: every layer reads layer 0's buffers (the attention's compute alone: its K/V stay in the caches)
 // cold: before each timed token, a read of 128 MB (a decoded token streams the weights between its attention
 // calls), so the K/V come from memory as they do in a runner
-double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, bool cold, uint64_t* digest,
-           double* err) {
+// rows: query rows of the step (1: a decode step; more: a prefill chunk whose last row sits at `depth`)
+double run(const Geometry& g, int64_t depth, int64_t rows, int dtype, int reps, bool shared, bool cold,
+           uint64_t* digest, double* err) {
   const int64_t slots = depth + 1, es = element_size(dtype);
   std::mt19937 rng(1);
   // every layer's K/V in one region, as a runner's arena holds them
@@ -97,15 +99,18 @@ double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, b
       }
     }
   }
-  std::vector<float> qd(static_cast<size_t>(g.hq * g.d)), od(qd.size());
+  std::vector<float> qd(static_cast<size_t>(g.hq * rows * g.d)), od(qd.size());
   for (auto& x : qd) x = std::normal_distribution<float>(0.f, 1.f)(rng);
-  TensorImpl::SizesType qs[4] = {1, static_cast<TensorImpl::SizesType>(g.hq), 1, static_cast<TensorImpl::SizesType>(g.d)};
+  TensorImpl::SizesType qs[4] = {1, static_cast<TensorImpl::SizesType>(g.hq), static_cast<TensorImpl::SizesType>(rows),
+                                 static_cast<TensorImpl::SizesType>(g.d)};
   TensorImpl::DimOrderType order[4] = {0, 1, 2, 3};
-  TensorImpl::StridesType strides[4] = {g.hq * g.d, g.d, g.d, 1};
+  TensorImpl::StridesType strides[4] = {static_cast<TensorImpl::StridesType>(g.hq * rows * g.d),
+                                        static_cast<TensorImpl::StridesType>(rows * g.d),
+                                        static_cast<TensorImpl::StridesType>(g.d), 1};
   TensorImpl qi(ScalarType::Float, 4, qs, qd.data(), order, strides);
   Tensor q(&qi);
   const float scale = 1.f / std::sqrt(static_cast<float>(g.d));
-  const Plan p = plan_step(0, depth, 1, 0, 0);
+  const Plan p = plan_step(0, depth + 1 - rows, rows, 0, 0);
   float sink = 0.f;
   auto token = [&] {
     for (int l = 0; l < g.layers; ++l) {
@@ -122,10 +127,11 @@ double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, b
     const auto t0 = std::chrono::steady_clock::now();
     token();
     const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
-    best = std::min(best, us);  // one token's attention, the least disturbed of the reps
+    best = std::min(best, us);  // one step's attention, the least disturbed of the reps
   }
   if (sink == 42.f) std::printf(" ");  // keeps the sweep
-  // the last layer's output against attention in double precision over the same (stored) K/V
+  // the last layer's last row against attention in double precision over the same (stored) K/V
+  const int64_t last = rows - 1;  // the row at position `depth`
   const uint8_t* lk = k[shared ? 0 : g.layers - 1];
   const uint8_t* lv = v[shared ? 0 : g.layers - 1];
   *err = 0.0;
@@ -136,7 +142,7 @@ double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, b
     double mx = -1e300, sum = 0.0;
     for (int64_t j = 0; j <= depth; ++j) {
       double dot = 0.0;
-      for (int64_t d = 0; d < g.d; ++d) dot += double(qd[h * g.d + d]) * stored(lk, dtype, (j * g.hkv + kh) * g.d + d);
+      for (int64_t d = 0; d < g.d; ++d) dot += double(qd[(h * rows + last) * g.d + d]) * stored(lk, dtype, (j * g.hkv + kh) * g.d + d);
       sc[j] = dot * scale;
       mx = std::max(mx, sc[j]);
     }
@@ -144,7 +150,7 @@ double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, b
     for (int64_t d = 0; d < g.d; ++d) {
       double o = 0.0;
       for (int64_t j = 0; j <= depth; ++j) o += sc[j] * stored(lv, dtype, (j * g.hkv + kh) * g.d + d);
-      *err = std::max(*err, std::abs(o / sum - od[h * g.d + d]));
+      *err = std::max(*err, std::abs(o / sum - od[(h * rows + last) * g.d + d]));
     }
   }
   // the last layer's output bits: equal across builds that compute the same thing
@@ -163,7 +169,7 @@ double run(const Geometry& g, int64_t depth, int dtype, int reps, bool shared, b
 
 int main(int argc, char** argv) {
   int threads = 1, reps = 50;
-  int64_t only_depth = 0;
+  int64_t only_depth = 0, rows = 1;
   bool shared = false, cold = false;
   std::string dtype = "fp32", only;
   for (int i = 1; i < argc; ++i) {
@@ -176,9 +182,10 @@ int main(int argc, char** argv) {
     else if (a == "--dtype" && val) dtype = argv[++i];
     else if (a == "--model" && val) only = argv[++i];
     else if (a == "--depth" && val) only_depth = std::atoll(argv[++i]);
+    else if (a == "--rows" && val) rows = std::atoll(argv[++i]);
     else {
       std::fprintf(stderr, "usage: attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16] "
-                           "[--model smollm2|gemma3] [--depth N] [--in-cache] [--cold]\n");
+                           "[--model smollm2|gemma3] [--depth N] [--rows T] [--in-cache] [--cold]\n");
       return 2;
     }
   }
@@ -187,13 +194,15 @@ int main(int argc, char** argv) {
   const Geometry geos[] = {{"smollm2", 30, 9, 3, 64, {16, 128, 447, 511}},
                            {"gemma3", 18, 4, 1, 256, {16, 512, 1023}}};
   const int code = code_of(dtype);
-  std::printf("attention per token, all layers, %s K/V, %d thread(s), best of %d\n", dtype.c_str(), threads, reps);
+  std::printf("attention of a step of %lld row(s), all layers, %s K/V, %d thread(s), best of %d\n",
+              static_cast<long long>(rows), dtype.c_str(), threads, reps);
   for (const auto& g : geos) {
     if (!only.empty() && only != g.name) continue;
     for (int64_t depth : only_depth ? std::vector<int64_t>{only_depth} : g.depths) {
       uint64_t digest = 0;
       double err = 0.0;
-      const double us = run(g, depth, code, reps, shared, cold, &digest, &err);
+      if (depth + 1 < rows) continue;
+      const double us = run(g, depth, rows, code, reps, shared, cold, &digest, &err);
       const double mb = 2.0 * g.layers * (depth + 1) * g.hkv * g.d * element_size(code) / 1e6;
       std::printf("  %-14s depth %5lld  %8.1f us  %6.2f MB of K/V  %5.1f GB/s  err %.1e  out %016llx\n", g.name,
                   static_cast<long long>(depth), us, mb, mb * 1e3 / us, err, static_cast<unsigned long long>(digest));

@@ -256,6 +256,95 @@ void write_rows(const Segment& g, int64_t Ttot, int64_t i, int splits, const flo
   }
 }
 
+constexpr int64_t kTileRows = 4;  // query rows of a row group's work unit (attend_tile)
+
+// Rows [i0, i0 + R) of segment g (a row group: a prefill chunk), every head, written to out. The rows share each
+// block of K/V rows read (in the caches from the first row to the last) and score it as one group of R x group
+// query vectors per KV head. Blocks sit at key positions that are multiples of kBlock and every row is masked to
+// its own visible keys (a masked key adds an exact 0 to the sums), so a row's bits do not depend on its tile.
+void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, int64_t i0, int64_t R, void* out,
+                 int out_code, std::vector<float>& scratch) {
+  const SlotView& s = g.view;
+  const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), Hkv = s.kv_heads, group = Hq / Hkv, nv = R * group;
+  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
+  const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
+  const int es = element_size(s.dtype);
+  // visible keys of row r: [lo[r], hi[r]); the first row sees the lowest, the last the highest
+  int64_t lo[kTileRows], hi[kTileRows];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t qpos = g.pos + i0 + r;
+    lo[r] = s.window > 0 ? std::max(g.base, qpos - s.window + 1) : g.base;
+    hi[r] = qpos + 1;
+  }
+  // scratch: queries, m, l and acc [Hkv][R][group][...]; scores [R x group][kBlock]; K rows, V rows [kBlock][...]
+  scratch.resize(static_cast<size_t>(Hq * R * (D + 2 + Dv) + nv * kBlock + kBlock * (D + Dv)));
+  float* qs = scratch.data();
+  float* m = qs + Hq * R * D;
+  float* l = m + Hq * R;
+  float* acc = l + Hq * R;
+  float* sc = acc + Hq * R * Dv;
+  float* kbuf = sc + nv * kBlock;
+  float* vbuf = kbuf + kBlock * D;
+  const void* qd = q.const_data_ptr();
+  const ScalarType qt = q.scalar_type();
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t row = (kh * group + h) * Ttot + g.row0 + i0 + r, v = (kh * R + r) * group + h;
+        for (int64_t d = 0; d < D; ++d) qs[v * D + d] = load(qd, qt, row * D + d) * scale;
+      }
+  std::fill(m, m + Hq * R, -INFINITY);
+  std::fill(l, l + Hq * R, 0.f);
+  std::fill(acc, acc + Hq * R * Dv, 0.f);
+  const float* krows[kBlock];
+  const float* vrows[kBlock];
+  for (int64_t b0 = lo[0] - lo[0] % kBlock; b0 < hi[R - 1]; b0 += kBlock) {
+    const int64_t first = std::max(b0, g.base), end = std::min(b0 + kBlock, hi[R - 1]);
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      // block slots [first, end) at rows [first - b0, end - b0); the others point at a read row, masked below, so
+      // every key is scored by the same four-key code wherever the block starts and ends
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int64_t key = std::clamp(b0 + j, first, end - 1), slot = g.read[key - g.base];
+        krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
+        vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
+      }
+      const int64_t nb = (end - b0 + 3) / 4 * 4;  // rows of the block in use, in fours
+      const float* qg = qs + kh * nv * D;
+      for (int64_t j = 0; j < nb; j += 4) scores(qg, nv, D, krows + j, sc + j);
+      for (int64_t r = 0; r < R; ++r) {
+        // this row's visible part of the block
+        const int64_t a = std::clamp(lo[r], b0, b0 + nb) - b0, e = std::clamp(hi[r], b0, b0 + nb) - b0;
+        for (int64_t h = 0; h < group; ++h) {
+          const int64_t v = (kh * R + r) * group + h;
+          float* sh = sc + (r * group + h) * kBlock;
+          if (a >= e) {  // nothing of this block is visible to the row
+            std::fill(sh, sh + nb, 0.f);
+            continue;
+          }
+          float mx = m[v];
+          for (int64_t j = a; j < e; ++j) mx = std::max(mx, sh[j]);
+          const float corr = m[v] == -INFINITY ? 0.f : std::exp(m[v] - mx);
+          l[v] = l[v] * corr + simd::exp_sub_sum(sh + a, e - a, mx);
+          m[v] = mx;
+          std::fill(sh, sh + a, 0.f);
+          std::fill(sh + e, sh + nb, 0.f);
+          if (corr != 1.f) simd::scale_row(acc + v * Dv, Dv, corr);
+        }
+      }
+      weighted_sum(acc + kh * nv * Dv, Dv, sc, nv, vrows, nb);
+    }
+  }
+  std::vector<float> row_out(static_cast<size_t>(Dv));
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t h = 0; h < group; ++h) {
+        const int64_t v = (kh * R + r) * group + h, row = (kh * group + h) * Ttot + g.row0 + i0 + r;
+        const float inv = 1.f / l[v];
+        for (int64_t d = 0; d < Dv; ++d) row_out[d] = acc[v * Dv + d] * inv;
+        store_row(out, out_code, row * Dv, row_out.data(), Dv);
+      }
+}
+
 bool float_like(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::Half || t == ScalarType::BFloat16;
 }
@@ -349,7 +438,8 @@ int splits_of(const Segment& g) {
 
 void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
   const int64_t Hq = q.size(1), Ttot = q.size(2);
-  // work units: (segment, query row, key split), each over every head
+  // work units, each over every head: (segment, query row, key split) for a few rows (a decode step), (segment,
+  // tile of kTileRows rows) for a row group
   std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
   std::vector<int> splits(static_cast<size_t>(n));
   int64_t dv_max = 1;
@@ -357,7 +447,8 @@ void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, v
   for (int g = 0; g < n; ++g) {
     splits[g] = splits_of(segs[g]);
     any_split |= splits[g] > 1;
-    first[g + 1] = first[g] + segs[g].T * splits[g];
+    const int64_t T = segs[g].T;
+    first[g + 1] = first[g] + (T > kSplitRows ? (T + kTileRows - 1) / kTileRows : T * splits[g]);
     dv_max = std::max(dv_max, segs[g].view.v_dim);
   }
   const int64_t units = first[n], stride = Hq * (2 + dv_max);  // a unit's m, l, acc
@@ -369,6 +460,11 @@ void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, v
     for (int64_t u = u0; u < u1; ++u) {
       while (u >= first[g + 1]) ++g;
       const Segment& s = segs[g];
+      if (s.T > kSplitRows) {
+        const int64_t i0 = (u - first[g]) * kTileRows;
+        attend_tile(s, q, Ttot, scale, i0, std::min(kTileRows, s.T - i0), out, out_code, scratch);
+        continue;
+      }
       const int64_t local_u = u - first[g], i = local_u / splits[g];
       const int sp = static_cast<int>(local_u % splits[g]);
       float* base = splits[g] > 1 ? partials.data() + u * stride : local.data();
