@@ -5,8 +5,8 @@
 // Both store K/V slot-major, [slot][kv_head][dim], in Float, Half or BFloat16, a layer being
 // either flat (slot = position) or a ring of `ring` slots (slot = position % ring). A step writes
 // logical positions [pos, pos+T) and reads [base, end) oldest to newest, each as at most two runs
-// of consecutive slots (a Plan). Attention runs in fp32, work units (query row, key split; every head)
-// split across the ExecuTorch threadpool that XNNPACK uses too.
+// of consecutive slots (a Plan). Attention runs in fp32, in work units over every head (a decode step's
+// query rows and key splits, a row group's tiles of rows) on the ExecuTorch threadpool that XNNPACK uses too.
 #pragma once
 
 #include <cstdint>
