@@ -245,6 +245,24 @@ inline void scale_row(float* x, int64_t n, float c) {
   for (; i < n; ++i) x[i] *= c;
 }
 
+// the largest of m and x[0..n), a NaN in x ignored as std::max(m, x[i]) ignores it (a scalar loop here kept its
+// running max in memory: 18 % of a decode step's attention)
+inline float max_of(const float* x, int64_t n, float m) {
+  int64_t i = 0;
+#ifdef LLMPIPE_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_set1_ps(m);
+    for (; i + 8 <= n; i += 8) v = _mm256_max_ps(_mm256_loadu_ps(x + i), v);  // NaN in x: keeps v
+    __m128 h = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+    h = _mm_max_ss(_mm_movehdup_ps(h), h);
+    m = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // x[i] = exp(x[i] - m); returns the sum
 inline float exp_sub_sum(float* x, int64_t n, float m) {
   int64_t i = 0;
