@@ -101,6 +101,22 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     return r
 
 
+def unit_binary_results(binary: Path, cases: list[str], timeout: int) -> dict:
+    """Runs a native unit binary (native/tests: "ok <case>" or "FAIL <case>: <what>" a line, exit 1 if any case
+    failed) and gives each case it ran its line. A case name may hold ": " itself, so a FAIL line goes to the known
+    case it starts with."""
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
+    results = {}
+    for line in proc.stdout.splitlines():
+        status, _, rest = line.partition(" ")
+        if status == "ok":
+            results[rest] = line
+        elif status == "FAIL":
+            results[next((c for c in cases if rest.startswith(c + ": ")), rest.split(": ")[0])] = line
+    assert proc.returncode == (0 if all(v.startswith("ok") for v in results.values()) else 1), proc.stderr
+    return results
+
+
 def run_manifest(r: subprocess.CompletedProcess) -> dict:
     """The run manifest a `python -m pipeline` build names on its last line of output."""
     lines = r.stdout.strip().splitlines()

@@ -22,15 +22,7 @@
 
 #include "kernels/kv_attention.h"
 #include "kernels/simd_math.h"
-
-// the wheel ships the thread pool library without its header (as native/src/runner/cli_common.cpp)
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
+#include "runtime/threadpool.h"
 
 namespace {
 

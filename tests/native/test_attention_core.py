@@ -4,11 +4,10 @@ bits on 1 and 2 threads, and every row is within 1e-5 of attention in double pre
 and banded attention, a decode step whose keys split in three."""
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from pipeline import native
+from tests.helpers import unit_binary_results
 
 CASES = [f"{case}: {promise}" for case in ("gqa3 full", "gqa4 window 37", "mha full")
          for promise in ("a row group's rows do not depend on where the chunk is cut",
@@ -20,14 +19,7 @@ def results(native_bins) -> dict:
     binary = native.BUILD_DIR / "attention_test"
     if not binary.exists():
         native.build_native(force=True)
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
-    out = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("ok", "FAIL"):
-            out[rest.split(": ", 2)[0] + ": " + rest.split(": ", 2)[1]] = line
-    assert proc.returncode == (0 if all(v.startswith("ok") for v in out.values()) else 1), proc.stderr
-    return out
+    return unit_binary_results(binary, CASES, timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 import offgraph_tiny_export as ote
+from tests.helpers import unit_binary_results
 from test_offgraph_native import pte_module, python_greedy
 
 KINDS = ["batched-sequence", "batched-cell"]
@@ -79,14 +80,7 @@ CASES = ["equal_prompt_replays_the_last_token", "shorter_prompt_replays_its_last
 
 @pytest.fixture(scope="module")
 def unit_results(batched_bins) -> dict:
-    proc = subprocess.run([str(batched_bins[1])], capture_output=True, text=True, timeout=60)
-    results = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("ok", "FAIL"):
-            results[rest.split(":")[0]] = line
-    assert proc.returncode == (0 if all(v.startswith("ok") for v in results.values()) else 1)
-    return results
+    return unit_binary_results(batched_bins[1], CASES, timeout=60)
 
 
 @pytest.mark.parametrize("case", CASES)

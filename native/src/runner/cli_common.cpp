@@ -11,17 +11,7 @@
 #include "runtime/chat_template.h"
 #include "runtime/llm_program.h"
 #include "runtime/pte_check.h"
-
-// The wheel ships the thread pool library but not its header; these two
-// members are all the runners need (for --threads).
-namespace executorch::extension::threadpool {
-class ThreadPool {
- public:
-  size_t get_thread_count() const;
-  bool _unsafe_reset_threadpool(uint32_t num_threads);
-};
-ThreadPool* get_threadpool();
-}  // namespace executorch::extension::threadpool
+#include "runtime/threadpool.h"
 
 namespace llmrt::cli {
 
