@@ -168,6 +168,9 @@ class ExportConfig:
     strict: bool = True
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
     fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
+    # q/k/v and gate/up, each run as one wider linear (pipeline/model/fused_projections.py): the same bits,
+    # fewer operators per token
+    fuse_projections: bool = True
 
 
 @dataclass

@@ -65,6 +65,9 @@ def export(ctx) -> dict:
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.faults import inject
         fault = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
+    if ctx.cfg.export.fuse_projections:
+        from pipeline.model.fused_projections import fuse_projections
+        fault["fused_projections"] = fuse_projections(module.model)
     info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))

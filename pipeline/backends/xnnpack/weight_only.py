@@ -21,7 +21,7 @@ from torch import nn
 
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
-from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig
+from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig, SliceCopyConfig
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.utils.quant_utils import (
     is_affine_qdq, is_dequant, is_per_channel, is_per_channel_group, tag_as_implicit_q_dq)
@@ -142,8 +142,9 @@ class OneDecompositionPartitioner(XnnpackPartitioner):
 
 def configs() -> list:
     """XNNPACK's partitioner configs with this module's safe ones in place of the stock ones."""
+    from pipeline.backends.xnnpack.dynamic_slice import DynamicSliceConfig
     swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig,
-            GeluConfig: ExactGeluConfig}
+            GeluConfig: ExactGeluConfig, SliceCopyConfig: DynamicSliceConfig}
     return [swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS]
 
 

@@ -1,0 +1,111 @@
+"""Sibling projections that read the same input, fused into one wider linear before export (`export.
+fuse_projections`): an attention layer's q/k/v, a gated MLP's gate/up.
+
+Why: at decode every linear is its own XNNPACK operator, with its own dynamic quantization of the activation row
+and its own thread-pool dispatch; SmolLM2 runs 7 of them per layer where 4 do the same work. The bits do not change:
+an output of a linear depends only on the input row (quantized per row, the same for the siblings) and its own
+weight row (quantized in groups along the row), and XNNPACK computes each output column alike wherever it sits.
+
+How: the fused linear runs in a forward pre-hook of the parent, which hands the parent the fused output in place of
+its input; each member becomes a `ProjectionSlice` of those columns. The parent's own forward (HF's) is unchanged.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+# parent class -> (fused linear's name, its members in output order). Only classes whose forward reads its input
+# through these members alone (checked in HF's source for each): anything else keeps its linears.
+FUSIBLE = {
+    "LlamaAttention": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "Gemma3Attention": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    "LlamaMLP": ("gate_up_proj", ("gate_proj", "up_proj")),
+    "Gemma3MLP": ("gate_up_proj", ("gate_proj", "up_proj")),
+}
+
+
+class ProjectionSlice(nn.Module):
+    """A fused member: its columns [start, stop) of the fused output the parent now receives."""
+
+    def __init__(self, start: int, stop: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+
+    def forward(self, fused: torch.Tensor) -> torch.Tensor:
+        return fused[..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns [{self.start}, {self.stop})"
+
+
+def _feed_fused(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the parent's input, replaced by the fused projection of it."""
+    fused = getattr(module, module.fused_projection)
+    if args:
+        return (fused(args[0]), *args[1:]), kwargs
+    name = module.fused_input
+    return args, {**kwargs, name: fused(kwargs[name])}
+
+
+def _joined_weight(weights: list[torch.Tensor]):
+    """The members' weights stacked by output row, or None where they cannot be (different quantization)."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+    kinds = {type(w) for w in weights}
+    if kinds == {nn.Parameter} or kinds == {torch.Tensor}:
+        return torch.cat([w.detach() for w in weights])
+    if kinds != {IntxUnpackedToInt8Tensor}:
+        return None
+    first = weights[0]
+    attrs = ("target_dtype", "block_size", "dtype", "activation_quantization")
+    if any(tuple(getattr(w, a) if a != "block_size" else tuple(w.block_size) for a in attrs) !=
+           tuple(getattr(first, a) if a != "block_size" else tuple(first.block_size) for a in attrs)
+           for w in weights) or tuple(first.block_size)[0] != 1:
+        return None
+    if len({w.zero_point is None for w in weights}) != 1:
+        return None
+    return IntxUnpackedToInt8Tensor(
+        *(None if getattr(first, n) is None else torch.cat([getattr(w, n) for w in weights])
+          for n in ("qdata", "scale", "zero_point")),
+        first.target_dtype, first.block_size, first.dtype, first.activation_quantization)
+
+
+def _fuse(parent: nn.Module, fused_name: str, members: tuple[str, ...]) -> bool:
+    linears = [getattr(parent, n, None) for n in members]
+    if not all(type(m) is nn.Linear for m in linears):
+        return False
+    if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
+        return False
+    weight = _joined_weight([m.weight for m in linears])
+    if weight is None:
+        return False
+    fused = nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                      bias=linears[0].bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+    setattr(parent, fused_name, fused)
+    start = 0
+    for name, m in zip(members, linears):
+        setattr(parent, name, ProjectionSlice(start, start + m.out_features))
+        start += m.out_features
+    parent.fused_projection = fused_name
+    parent.fused_input = next(iter(inspect.signature(parent.forward).parameters))
+    parent.register_forward_pre_hook(_feed_fused, with_kwargs=True)
+    return True
+
+
+def fuse_projections(model: nn.Module) -> dict:
+    """Fuse every FUSIBLE parent's members in place (those whose weights share one quantization); returns
+    {fused name: count, "kept": parents left as they were}."""
+    report = {"qkv_proj": 0, "gate_up_proj": 0, "kept": 0}
+    for parent in list(model.modules()):
+        plan = FUSIBLE.get(type(parent).__name__)
+        if plan is None:
+            continue
+        if _fuse(parent, *plan):
+            report[plan[0]] += 1
+        else:
+            report["kept"] += 1
+    return report
