@@ -14,6 +14,7 @@ import torch
 from pipeline import abi
 from pipeline.backends import BACKENDS
 from pipeline.config import v
+from pipeline.exporters import handoff
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
@@ -71,7 +72,9 @@ def export(ctx) -> dict:
     info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
+    del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
+    handoff.keep(ctx.out / "program.pt2", ep)
     return {"graph_nodes": len(ep.graph.nodes), **info}
 
 
@@ -152,7 +155,7 @@ def lower(ctx) -> dict:
     """Writes model.pte and lower.json (the program record, the constant methods, delegation by op)."""
     import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
     cfg = ctx.cfg
-    ep = torch.export.load(ctx.inputs["export"] / "program.pt2")
+    ep = handoff.take(ctx.inputs["export"] / "program.pt2") or torch.export.load(ctx.inputs["export"] / "program.pt2")
     methods = constant_methods(ctx)
     with spinner(f"lower to {v(cfg.backend.name)}", ctx.progress):
         et, report = lower_program(ep, cfg, methods)
