@@ -165,9 +165,7 @@ class ExportConfig:
     prefill_chunk: int = 128                  # max_seq_len: the traced T is in [1, chunk]
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.last
-    # non-strict traces the module in Python, without dynamo's bytecode analysis and guards: the same program bits
-    # (SmolLM2 8da4w), export 25 -> 16 s
-    strict: bool = False
+    strict: bool = True
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
     fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
     # q/k/v and gate/up, each run as one wider linear (pipeline/model/fused_projections.py): the same bits,
