@@ -79,7 +79,8 @@ def test_cache_modes_declare_their_interface(name):
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_backends_declare_their_interface(name):
     b = BACKENDS[name]
-    assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.ASYMMETRIC_WEIGHTS, bool)
+    assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.ASYMMETRIC_WEIGHTS, bool) \
+        and isinstance(b.LOWERS_PROGRAM_IN_MEMORY, bool)
     for fn in ("refuses", "refuses_cache", "reference", "setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime"):
         assert callable(getattr(b, fn)), fn
 

@@ -9,6 +9,7 @@ HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's
 HANDOVER_DTYPES_WHY = ""
 DELEGATES_MATMULS = False  # lower refuses a half-precision program with matmuls outside the delegate
 NATIVE_RUNNER = True
+LOWERS_PROGRAM_IN_MEMORY = False  # not held to the bytes of the file: it loads program.pt2
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:

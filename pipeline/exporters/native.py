@@ -74,7 +74,8 @@ def export(ctx) -> dict:
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
     del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
-    handoff.keep(ctx.out / "program.pt2", ep)
+    if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY:
+        handoff.keep(ctx.out / "program.pt2", ep)
     return {"graph_nodes": len(ep.graph.nodes), **info}
 
 

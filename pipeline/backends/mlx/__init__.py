@@ -17,6 +17,9 @@ HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's
 HANDOVER_DTYPES_WHY = ""
 DELEGATES_MATMULS = True  # lower refuses a half-precision program with matmuls outside the delegate
 NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
+# an in-memory exported program still carries torchao tensor subclasses in its nodes' values, which MLX's lowering
+# cannot type (loaded from program.pt2 they are plain tensors): it loads the file
+LOWERS_PROGRAM_IN_MEMORY = False
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:

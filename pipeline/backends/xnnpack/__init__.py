@@ -17,6 +17,9 @@ HANDOVER_DTYPES_WHY = ("its stock XNNPACK partitioner leaves bf16 matmuls outsid
                        "delegates them")
 # a half-precision program with matmuls outside the delegate runs them on portable kernels (~100x slower): refused
 DELEGATES_MATMULS = True
+# lower may take the exported program export holds in memory (pipeline/exporters/handoff.py): the same bytes, held by
+# tests/exporters/test_handoff.py
+LOWERS_PROGRAM_IN_MEMORY = True
 
 log = logging.getLogger(__name__)
 
