@@ -62,14 +62,14 @@ def export(ctx) -> dict:
     """Writes program.pt2 (torch.export.save)."""
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
-    fault = {}
+    info = {}
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.faults import inject
-        fault = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
+        info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
     if ctx.cfg.export.fuse_projections:
         from pipeline.model.fused_projections import fuse_projections
-        fault["fused_projections"] = fuse_projections(module.model)
-    info = {**fault, **BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg)}
+        info["fused_projections"] = fuse_projections(module.model)
+    info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
     del module
@@ -156,7 +156,10 @@ def lower(ctx) -> dict:
     """Writes model.pte and lower.json (the program record, the constant methods, delegation by op)."""
     import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
     cfg = ctx.cfg
-    ep = handoff.take(ctx.inputs["export"] / "program.pt2") or torch.export.load(ctx.inputs["export"] / "program.pt2")
+    program = ctx.inputs["export"] / "program.pt2"
+    ep = handoff.take(program)
+    if ep is None:
+        ep = torch.export.load(program)
     methods = constant_methods(ctx)
     with spinner(f"lower to {v(cfg.backend.name)}", ctx.progress):
         et, report = lower_program(ep, cfg, methods)

@@ -49,6 +49,11 @@ def _feed_fused(module: nn.Module, args: tuple, kwargs: dict):
     return args, {**kwargs, name: fused(kwargs[name])}
 
 
+def _layout(w) -> tuple:
+    """What two quantized weights must share to be stacked: the same grid, group shape and activation handling."""
+    return w.target_dtype, tuple(w.block_size), w.dtype, w.activation_quantization, w.zero_point is None
+
+
 def _joined_weight(weights: list[torch.Tensor]):
     """The members' weights stacked by output row, or None where they cannot be (different quantization)."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
@@ -58,12 +63,7 @@ def _joined_weight(weights: list[torch.Tensor]):
     if kinds != {IntxUnpackedToInt8Tensor}:
         return None
     first = weights[0]
-    attrs = ("target_dtype", "block_size", "dtype", "activation_quantization")
-    if any(tuple(getattr(w, a) if a != "block_size" else tuple(w.block_size) for a in attrs) !=
-           tuple(getattr(first, a) if a != "block_size" else tuple(first.block_size) for a in attrs)
-           for w in weights) or tuple(first.block_size)[0] != 1:
-        return None
-    if len({w.zero_point is None for w in weights}) != 1:
+    if len({_layout(w) for w in weights}) != 1 or tuple(first.block_size)[0] != 1:
         return None
     return IntxUnpackedToInt8Tensor(
         *(None if getattr(first, n) is None else torch.cat([getattr(w, n) for w in weights])

@@ -102,7 +102,7 @@ def test_siblings_of_different_quantization_are_kept_apart():
 
 
 def test_xnnpack_slices_a_dynamic_tensor_only_along_a_static_dimension():
-    from pipeline.backends.xnnpack.dynamic_slice import _sliced_static_rest_leading
+    from pipeline.backends.xnnpack.dynamic_slice import _static_slice_of_dynamic_tensor
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -117,8 +117,8 @@ def test_xnnpack_slices_a_dynamic_tensor_only_along_a_static_dimension():
         inp.meta["val"] = val
         n = graph.call_function(torch.ops.aten.slice_copy.Tensor, (inp, dim, start, end, step))
         return n
-    assert _sliced_static_rest_leading(node(x, 2, 0, 64))
-    assert _sliced_static_rest_leading(node(x, -1, 64, 96))
-    assert not _sliced_static_rest_leading(node(x, 1, 0, 1))       # the dynamic dimension itself
-    assert not _sliced_static_rest_leading(node(x, 2, 0, 64, 2))   # a stride
-    assert not _sliced_static_rest_leading(node(y, 2, 0, 64))      # static: the stock config's case
+    assert _static_slice_of_dynamic_tensor(node(x, 2, 0, 64))
+    assert _static_slice_of_dynamic_tensor(node(x, -1, 64, 96))
+    assert not _static_slice_of_dynamic_tensor(node(x, 1, 0, 1))       # the dynamic dimension itself
+    assert not _static_slice_of_dynamic_tensor(node(x, 2, 0, 64, 2))   # a stride
+    assert not _static_slice_of_dynamic_tensor(node(y, 2, 0, 64))      # static: the stock config's case

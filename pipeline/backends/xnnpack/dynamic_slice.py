@@ -20,7 +20,7 @@ def _shape(node) -> list:
     return list(node.meta["val"].shape)
 
 
-def _sliced_static_rest_leading(node: torch.fx.Node) -> bool:
+def _static_slice_of_dynamic_tensor(node: torch.fx.Node) -> bool:
     """A stride-1 slice of a static dimension, every symbolic dimension of its input unsliced."""
     dim = cast(int, node.args[1])
     stride = cast(int, node.args[4]) if len(node.args) > 4 else 1
@@ -35,7 +35,7 @@ class DynamicSliceConfig(SliceCopyConfig):
     """The stock config, plus slices of a static dimension of a dynamic tensor (fp32 only: no quantized slices)."""
 
     def check_constraints(self, node: torch.fx.Node, ep) -> bool:
-        if not _sliced_static_rest_leading(node):
+        if not _static_slice_of_dynamic_tensor(node):
             return super().check_constraints(node, ep)
         if not self.check_common_constraints(node, ep):
             return False
