@@ -57,6 +57,8 @@ def _layout(w) -> tuple:
 def _joined_weight(weights: list[torch.Tensor]):
     """The members' weights stacked by output row, or None where they cannot be (different quantization)."""
     from torchao.quantization import IntxUnpackedToInt8Tensor
+
+    from pipeline.model.quantization import stack_rows
     kinds = {type(w) for w in weights}
     if kinds == {nn.Parameter} or kinds == {torch.Tensor}:
         return torch.cat([w.detach() for w in weights])
@@ -65,10 +67,7 @@ def _joined_weight(weights: list[torch.Tensor]):
     first = weights[0]
     if len({_layout(w) for w in weights}) != 1 or tuple(first.block_size)[0] != 1:
         return None
-    return IntxUnpackedToInt8Tensor(
-        *(None if getattr(first, n) is None else torch.cat([getattr(w, n) for w in weights])
-          for n in ("qdata", "scale", "zero_point")),
-        first.target_dtype, first.block_size, first.dtype, first.activation_quantization)
+    return stack_rows(weights)
 
 
 def _fuse(parent: nn.Module, fused_name: str, members: tuple[str, ...]) -> bool:

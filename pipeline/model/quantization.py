@@ -143,12 +143,17 @@ def quantize_one(model: nn.Module, name: str, config) -> None:
     if not parts:
         quantize_(model, config, filter_fn=lambda m, fqn: fqn == name)
         return
+    module.weight = nn.Parameter(stack_rows(parts), requires_grad=False)
+
+
+def stack_rows(parts: list):
+    """torchao int weights of one layout (groups within rows) stacked by output row into one."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
     first = parts[0]
-    joined = IntxUnpackedToInt8Tensor(
+    return IntxUnpackedToInt8Tensor(
         *(None if getattr(first, n) is None else torch.cat([getattr(p, n) for p in parts])
           for n in ("qdata", "scale", "zero_point")),
         first.target_dtype, first.block_size, first.dtype, first.activation_quantization)
-    module.weight = nn.Parameter(joined, requires_grad=False)
 
 
 def _same_kind(module: nn.Module, weight: torch.Tensor) -> nn.Module:
