@@ -169,7 +169,7 @@ class ExportConfig:
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
     fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
     # q/k/v and gate/up, each run as one wider linear (pipeline/model/fused_projections.py): the same bits,
-    # fewer operators per token
+    # fewer operators per token; fp32 programs only
     fuse_projections: bool = True
 
 

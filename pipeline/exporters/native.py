@@ -66,7 +66,9 @@ def export(ctx) -> dict:
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.faults import inject
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
-    if ctx.cfg.export.fuse_projections:
+    # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
+    fp32 = v(ctx.cfg.export.dtype) == "fp32"
+    if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
@@ -74,7 +76,7 @@ def export(ctx) -> dict:
         ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
     del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
-    if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY:
+    if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY and fp32:
         handoff.keep(ctx.out / "program.pt2", ep)
     return {"graph_nodes": len(ep.graph.nodes), **info}
 
