@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import time
 
 from common import ROOT, build
@@ -72,6 +73,8 @@ def main() -> None:
     args = ap.parse_args()
     saved = ROOT / "outputs" / "bench" / "scaling.json"
     if args.report:
+        if not saved.exists():
+            sys.exit(f"--report: no saved run at {saved.relative_to(ROOT)}; run `python bench/scaling.py` first")
         print(table(json.loads(saved.read_text())))
         return
     out = f"outputs/bench/scaling-{time.strftime('%Y%m%d-%H%M%S')}"
