@@ -22,6 +22,7 @@ from pipeline.abi import DTYPES, EOS_IDS
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
+from pipeline.model.cache_modes import flags as cache_flags
 from pipeline.model.float_noise import float_noise
 from pipeline.model.quantization import dynamic_activations
 from pipeline.model.row_embedding import rows_only
@@ -215,6 +216,7 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
     no_rings = ctx.geometry is not None and ctx.geometry.smallest_window is None
+    rings = CACHE_MODES[ctx.cfg.cache.mode].rings(cache_flags(ctx.cfg.cache))
     prompts, problems = [], []
     for text, ids in bar(verify_prompts(ctx, tok), desc="verify prompts", enabled=ctx.progress):
         room = ctx.cfg.export.max_context_len - len(ids)
@@ -223,9 +225,10 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
         got, got_logits = greedy(pte, ids, n, chunk, eos)
         ref, ref_logits = greedy(reference, ids, n, chunk, eos, guess=got)
-        # later runs of the same module start after the prompt it holds; with sliding windows they start over, as
-        # stepping back n - 1 positions may reach below what a ring of window + chunk - 1 slots still holds
-        pte_first, ref_first = (got_logits[0], ref_logits[0]) if no_rings else (None, None)
+        # later runs of the same module step back to the end of the prompt it holds, n - 1 positions: a ring of
+        # window + chunk - 1 slots still holds the window there while n <= chunk; other sliding caches start over
+        steps_back = no_rings or (rings and n <= chunk)
+        pte_first, ref_first = (got_logits[0], ref_logits[0]) if steps_back else (None, None)
         same = {"greedy_match": leading_match(ref, got),
                 **compare(ref_logits, teacher_forced(pte, ids, ref, chunk, pte_first))}
         flt, flt_logits = greedy(eager_f, ids, n, chunk, eos, guess=got)

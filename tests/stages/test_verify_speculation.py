@@ -97,3 +97,22 @@ def test_teacher_forcing_after_a_greedy_run_starts_after_the_prompt(mode):
         _, steps = greedy(runner, ids, N, CHUNK, eos=set())
         again = teacher_forced(runner, ids, targets, CHUNK, prefilled=steps[0])
         assert max((a - b).abs().max().item() for a, b in zip(again, fresh)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["custom", "offgraph"])
+def test_a_ring_steps_back_to_the_prompt_while_n_is_at_most_the_chunk(mode):
+    """What verify does on models with rings of window + chunk - 1 slots: after the prompt and n - 1 more tokens
+    (n <= chunk), the ring still holds the window behind the prompt's end, so teacher forcing from there gives the
+    bits of a fresh run. 20 prompt tokens + 8 wrap the rings of 23 slots (window 16, chunk 8)."""
+    ids = torch.randint(0, 128, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    targets = torch.randint(0, 128, (CHUNK,), generator=torch.Generator().manual_seed(9)).tolist()
+    module = wrap(tiny_gemma3(), mode, 64, "last", CHUNK)
+    for runner in (module, Stepwise(module)):
+        fresh = teacher_forced(runner, ids, targets, CHUNK)
+        _, steps = greedy(runner, ids, CHUNK, CHUNK, eos=set())
+        again = teacher_forced(runner, ids, targets, CHUNK, prefilled=steps[0])
+        assert len(again) == CHUNK and all(torch.equal(a, b) for a, b in zip(again, fresh))
+    if mode == "offgraph":  # further on, the runtime-owned ring refuses the step back (verify starts over there)
+        greedy(Stepwise(module), ids, 2 * CHUNK, CHUNK, eos=set())
+        with pytest.raises(Exception, match="rewind|ring|window"):
+            teacher_forced(module, ids, targets, CHUNK, prefilled=steps[0])
