@@ -215,3 +215,21 @@ def test_the_8da4w_program_is_closer_to_the_reference_than_to_torchao(built):
     torchao, ours = _gap(torch.cat(runs["torchao"]), got), _gap(torch.cat(runs["reference"]), got)
     assert ours["kld"] < 0.75 * torchao["kld"], (ours, torchao)
     assert ours["mean"] < 0.75 * torchao["mean"], (ours, torchao)
+
+
+def test_the_native_4bit_gemm_gives_the_torch_paths_bits():
+    """llmpipe_qb4w_gemm (int8 weights, AVX-512 VNNI) against the torch path (fp32 dots, then the chain): the same
+    bits, on columns that are not a multiple of 16, a bias, and a per-channel group wide enough that its dots round
+    to fp32."""
+    from pipeline.backends.xnnpack.numerics import QB4WLinear, _native_qb4w
+    if _native_qb4w() is None:
+        pytest.skip("this CPU has no AVX-512 VNNI: the reference takes the torch path only")
+    g = torch.Generator().manual_seed(0)
+    for n, k, group, rows in [(37, 64, 16, 3), (300, 640, 32, 9), (24, 8192, 8192, 2)]:
+        qdata = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, k // group, generator=g) * 0.01
+        bias = torch.randn(n, generator=g)
+        x = torch.randn(rows, k, generator=g) * 3
+        native, plain = QB4WLinear(qdata, scale, bias), QB4WLinear(qdata, scale, bias, native=False)
+        assert native.native and not plain.native
+        assert torch.equal(native(x), plain(x)), (n, k, group)

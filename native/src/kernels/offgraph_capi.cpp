@@ -74,23 +74,6 @@ const char* llmpipe_cache_describe(void* h) {
   return tl_text.c_str();
 }
 
-// out[r][c] = fmaf(terms[g][r][c], scales[g][c], out[r][c]) for g = 0, 1, ... in order: the fp32 running sum of
-// XNNPACK's 4-bit group GEMM, for verify's eager emulation of it (pipeline/backends/xnnpack/numerics.py; fmaf
-// rounds once, as vfmadd does). Row by row, so a row's sums stay in cache across the groups; every element still
-// takes its groups in order, so the vector fmas (FMA builds, CMakeLists.txt) give the scalar ones' bits.
-void llmpipe_fma_chain(const float* terms, const float* scales, float* out, int64_t groups, int64_t rows,
-                       int64_t cols) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* o = out + r * cols;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* t = terms + (g * rows + r) * cols;
-      const float* s = scales + g * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) o[c] = std::fmaf(t[c], s[c], o[c]);
-    }
-  }
-}
-
 const char* llmpipe_last_error() {
   tl_text = llmrt::offgraph::last_error();
   return tl_text.c_str();
