@@ -165,7 +165,9 @@ class ExportConfig:
     prefill_chunk: int = 128                  # max_seq_len: the traced T is in [1, chunk]
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.last
-    strict: bool = True
+    # torch.export's strict mode (dynamo); null: non-strict where the backend and the cache mode take it, in fp32
+    # (pipeline/exporters/native.py strict_export), strict elsewhere
+    strict: Optional[bool] = None
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
     fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
     # q/k/v and gate/up, each run as one wider linear (pipeline/model/fused_projections.py): the same bits,

@@ -72,7 +72,7 @@ def test_cache_modes_declare_their_interface(name):
     m = CACHE_MODES[name]
     assert m.FLAGS and all(set(f) == {"custom_sdpa", "custom_kv_cache"} for f in m.FLAGS) and m.FLAGS_WHY
     assert isinstance(m.RUNTIME_OWNED, bool) and isinstance(m.KERNELS, tuple)
-    assert all(isinstance(m.rings(f), bool) for f in m.FLAGS)
+    assert all(isinstance(m.rings(f), bool) for f in m.FLAGS) and isinstance(m.EXPORTS_NON_STRICT, bool)
     assert callable(m.wrap) and callable(m.constant_methods)
 
 
@@ -80,7 +80,7 @@ def test_cache_modes_declare_their_interface(name):
 def test_backends_declare_their_interface(name):
     b = BACKENDS[name]
     assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.ASYMMETRIC_WEIGHTS, bool) \
-        and isinstance(b.LOWERS_PROGRAM_IN_MEMORY, bool)
+        and isinstance(b.LOWERS_PROGRAM_IN_MEMORY, bool) and isinstance(b.LOWERS_NON_STRICT, bool)
     for fn in ("refuses", "refuses_cache", "reference", "setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime"):
         assert callable(getattr(b, fn)), fn
 

@@ -58,6 +58,16 @@ def export_program(module, chunk: int, strict: bool = True, logits_mode: str = "
         return torch.export.export(module, example, dynamic_shapes=dynamic, strict=strict)
 
 
+def strict_export(cfg) -> bool:
+    """export.strict, or when it is null: non-strict (no dynamo: the same program bits, the default build's export
+    25 -> 16 s) in fp32 where the backend lowers such a program and the cache mode's module exports to one; strict
+    elsewhere (HF's static cache and MLX's quantized tensors fail to lower from a non-strict program)."""
+    if cfg.export.strict is not None:
+        return bool(cfg.export.strict)
+    return not (BACKENDS[cfg.backend.name].LOWERS_NON_STRICT and CACHE_MODES[cfg.cache.mode].EXPORTS_NON_STRICT
+                and v(cfg.export.dtype) == "fp32")
+
+
 def export(ctx) -> dict:
     """Writes program.pt2 (torch.export.save)."""
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
@@ -68,12 +78,13 @@ def export(ctx) -> dict:
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
+    info["strict"] = strict = strict_export(ctx.cfg)
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     with spinner("torch.export", ctx.progress):
-        ep = export_program(module, ctx.cfg.export.prefill_chunk, ctx.cfg.export.strict, v(ctx.cfg.export.logits_mode))
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, v(ctx.cfg.export.logits_mode))
     del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY and fp32:

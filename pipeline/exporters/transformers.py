@@ -155,7 +155,7 @@ def export(ctx) -> dict:
     for i, name in enumerate(COMPONENTS):
         _, inputs = parts[name]
         shapes = dynamic_shapes(inputs, tokens, past)
-        config = ExecutorchConfig(backend=backend, dynamic_shapes=shapes, strict=e.strict,
+        config = ExecutorchConfig(backend=backend, dynamic_shapes=shapes, strict=bool(e.strict),
                                   prefer_deferred_runtime_asserts_over_guards=True)
         if i > 0:
             # a model exported once cannot be exported again: the exporter's model.to("cpu") must swap its

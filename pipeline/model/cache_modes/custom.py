@@ -35,6 +35,7 @@ FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "
          {"custom_sdpa": False, "custom_kv_cache": True})
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
 RUNTIME_OWNED = False     # the cache is in the program
+EXPORTS_NON_STRICT = True  # its ops trace the same without dynamo
 KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_cache.out: native/'s kernel library
 LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 

@@ -33,6 +33,7 @@ from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCac
 FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
+EXPORTS_NON_STRICT = True  # its op traces the same without dynamo
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
 LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
