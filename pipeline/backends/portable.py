@@ -61,5 +61,9 @@ def reference(module):
     return module
 
 
+def reference_extra_bytes(scheme: str) -> int:
+    return 0  # the reference is the module itself
+
+
 def cross_check_runtime(mode) -> None:
     return None

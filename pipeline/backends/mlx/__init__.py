@@ -103,6 +103,10 @@ def reference(module):
     return numerics.reference(module, next(module.parameters()).dtype, copy_first=False)
 
 
+def reference_extra_bytes(scheme: str) -> int:
+    return 0  # the reference converts in place, in the module's own weights
+
+
 def cross_check_runtime(mode) -> str | None:
     """On a Mac (ExecuTorch with MLXBackend registered) verify also runs the real runtime. Not for a runtime-owned
     cache: the MLX runner installs that one, the Python runtime cannot."""

@@ -108,5 +108,12 @@ def reference(module):
     return numerics.reference(module, copy_first=False)
 
 
+def reference_extra_bytes(scheme: str) -> int:
+    """Bytes a linear weight of `scheme` costs the reference beyond the quantized module (preflight's verify
+    estimate): 3 for 8da4w where this CPU lacks the native 4-bit GEMM (fp32 weights instead of int8)."""
+    from pipeline.backends.xnnpack import numerics
+    return 3 if scheme == "8da4w" and not numerics.runs_native_gemm() else 0
+
+
 def cross_check_runtime(mode) -> None:
     return None

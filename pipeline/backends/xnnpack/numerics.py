@@ -168,11 +168,16 @@ def _native_chain():
     return fn
 
 
+def runs_native_gemm() -> bool:
+    """Whether this CPU runs the native 4-bit GEMM (AVX-512 VNNI); elsewhere the reference holds fp32 weights."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags()
+
+
 @functools.cache
 def _native_qb4w():
     """llmpipe_qb4w_gemm of the kernel library where this CPU runs it (AVX-512 VNNI, unsigned activations), or
     None: the whole 4-bit GEMM from int8 weights, a quarter of the fp32 path's memory and a fraction of its time."""
-    if not {"avx512_vnni", "avx512bw"} <= cpu_flags():
+    if not runs_native_gemm():
         return None
     fn = getattr(_kernels_library(), "llmpipe_qb4w_gemm", None)
     if fn is not None:
