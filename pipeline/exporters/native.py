@@ -60,7 +60,7 @@ def export_program(module, chunk: int, strict: bool = True, logits_mode: str = "
 
 def strict_export(cfg) -> bool:
     """export.strict, or when it is null: non-strict (no dynamo: the same program bits, the default build's export
-    25 -> 16 s) in fp32 where the backend lowers such a program and the cache mode's module exports to one; strict
+    20 -> 11 s) in fp32 where the backend lowers such a program and the cache mode's module exports to one; strict
     elsewhere (HF's static cache and MLX's quantized tensors fail to lower from a non-strict program)."""
     if cfg.export.strict is not None:
         return bool(cfg.export.strict)

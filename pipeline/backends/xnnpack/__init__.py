@@ -20,7 +20,7 @@ DELEGATES_MATMULS = True
 # lower may take the exported program export holds in memory (pipeline/exporters/handoff.py): the same bytes, held by
 # tests/exporters/test_handoff.py
 LOWERS_PROGRAM_IN_MEMORY = True
-# lowers a non-strict exported program (export.strict: null): the same program bits, a third less export time
+# lowers a non-strict exported program (export.strict: null): the same program bits, about half the export time
 LOWERS_NON_STRICT = True
 
 log = logging.getLogger(__name__)
