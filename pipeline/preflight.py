@@ -260,9 +260,11 @@ def _source_value(m):
 # memory estimates: from the geometry, never the weights. Each stage's peak RSS (the build's own process, as the run
 # manifest records it) = the process itself + coefficients x what it holds, in GiB per GiB: `weights` the fp32
 # weights, `module` the quantized eager module, `embedding` the fp32 embedding table (the vocabulary's rows: the
-# tokenizer, logits); and `layers` GiB per 100 layers (the graph export and lowering trace). Fitted to the measured
-# peaks of bench/scaling.py's three cold builds (random weights at SmolLM2-135M, gemma-3-270m and Llama-3.2-1B
-# geometry, 8da4w; `--report` compares) on an AVX-512 VNNI CPU, where the XNNPACK reference's 4-bit GEMM runs from
+# tokenizer, logits); `layers` GiB per 100 layers (the graph export and lowering trace); `float` the module's weights
+# kept unquantized (lowering packs them again, the tied embedding twice). Fitted to the measured peaks of
+# bench/scaling.py's three cold builds (random weights at SmolLM2-135M, gemma-3-270m and Llama-3.2-1B geometry,
+# 8da4w; `--report` compares), `float` to the gemma-3-270m geometry's fp32 build (quantize=none: export 3.0, lower
+# 4.3, verify 5.5 GiB), on an AVX-512 VNNI CPU, where the XNNPACK reference's 4-bit GEMM runs from
 # int8 weights; elsewhere it holds them as fp32 (`fallback`: those 3 extra bytes a weight; the 1B's verify peaked at
 # 16.0 GiB that way, 11.3 GiB native). Peaks vary a few percent run to run.
 # export and lower are each exporter's (STAGE_PEAK); download depends on the source.
@@ -271,7 +273,7 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 PROCESS_GIB = 0.45  # python + torch + transformers + executorch, before any model
 STAGE_PEAK = {"wrap": {"weights": 1.03},
               "quantize": {"weights": 1.01, "embedding": 3.63},
-              "verify": {"weights": 1.8, "embedding": 3.0, "layers": 1.25, "fallback": 1.7}}
+              "verify": {"weights": 1.8, "embedding": 3.0, "layers": 1.25, "float": 1.2, "fallback": 1.7}}
 DOWNLOAD_PEAK = {"random": {"weights": 0.97, "embedding": 0.98},   # builds and saves the model
                  "gguf": {"weights": 2.0, "embedding": 0.98},      # dequantizes the file's tensors (a guess)
                  "hf": {}, "local": {}}                            # copies files
@@ -315,28 +317,46 @@ def weight_bytes(scheme: str, group: int, dtype: str) -> float:
     return 1 + (8 / group if group else 0)
 
 
-def module_bytes(cfg, g: Geometry, params: int) -> int:
-    """The quantized eager module's weight bytes (linears, embedding, an lm_head of its own), from the geometry and
-    its parameter count."""
-    q, dtype = cfg.quantize, v(cfg.export.dtype)
-    embed, head_rows = embedding_parameters(g), g.vocab_size * g.hidden_size
-    linears = params - embed - (0 if g.tie_word_embeddings else head_rows)
+def linear_parameters(g: Geometry, params: int) -> int:
+    """The decoder layers' linear weights: all but the embedding tables and an lm_head of its own."""
+    return params - embedding_parameters(g) - (0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size)
+
+
+def own_head(q, g: Geometry) -> bool:
+    """Does the quantized module hold an lm_head of its own (not the embedding re-tied, not a float tied one)?"""
     head, head_group = head_scheme(q)
     retied = g.tie_word_embeddings and q.tie_word_embeddings and v(q.embedding) != "none" and \
         (v(q.embedding), q.embedding_group_size) == (head, head_group)
-    total = linears * weight_bytes(v(q.linear), q.linear_group_size, dtype)
-    total += embed * weight_bytes(v(q.embedding), q.embedding_group_size, dtype)
-    if not retied and not (g.tie_word_embeddings and head == v(q.embedding) == "none"):
-        total += head_rows * weight_bytes(head, head_group, dtype)
-    return int(total)
+    return not retied and not (g.tie_word_embeddings and head == v(q.embedding) == "none")
+
+
+def module_parts(cfg, g: Geometry, params: int) -> list[tuple[int, str, int]]:
+    """(weights, scheme, group) of the quantized eager module's parts: the linears, the embedding tables, an lm_head
+    of its own. The linears' overrides count at the linears' scheme."""
+    q = cfg.quantize
+    parts = [(linear_parameters(g, params), v(q.linear), q.linear_group_size),
+             (embedding_parameters(g), v(q.embedding), q.embedding_group_size)]
+    if own_head(q, g):
+        parts.append((g.vocab_size * g.hidden_size, *head_scheme(q)))
+    return parts
+
+
+def module_bytes(cfg, g: Geometry, params: int) -> int:
+    """The quantized eager module's weight bytes, from the geometry and its parameter count."""
+    dtype = v(cfg.export.dtype)
+    return int(sum(n * weight_bytes(scheme, group, dtype) for n, scheme, group in module_parts(cfg, g, params)))
+
+
+def float_bytes(cfg, g: Geometry, params: int) -> int:
+    """The module's weight bytes kept unquantized (scheme none), in the export dtype."""
+    return sum(n * DTYPE_BYTES[v(cfg.export.dtype)] for n, scheme, _ in module_parts(cfg, g, params) if scheme == "none")
 
 
 def fallback_bytes(cfg, g: Geometry, params: int) -> int:
-    """The same-quantization reference's bytes beyond the quantized module (the backend's reference_extra_bytes a
-    linear weight: XNNPACK's 8da4w where this CPU lacks the native 4-bit GEMM)."""
-    extra = BACKENDS[cfg.backend.name].reference_extra_bytes(v(cfg.quantize.linear))
-    linears = params - embedding_parameters(g) - (0 if g.tie_word_embeddings else g.vocab_size * g.hidden_size)
-    return extra * linears
+    """What the same-quantization reference holds beyond its native path (the backend's reference_extra_bytes a
+    weight of each part: XNNPACK's 8da4w where this CPU lacks the native 4-bit GEMM)."""
+    extra = BACKENDS[cfg.backend.name].reference_extra_bytes
+    return sum(n * extra(scheme, group) for n, scheme, group in module_parts(cfg, g, params))
 
 
 def memory_estimate(cfg, g: Geometry) -> dict:
@@ -345,7 +365,7 @@ def memory_estimate(cfg, g: Geometry) -> dict:
     module = module_bytes(cfg, g, params)
     held = {"weights": params * 4 / 2**30, "module": module / 2**30,
             "embedding": g.vocab_size * g.hidden_size * 4 / 2**30, "layers": g.num_layers / 100,
-            "fallback": fallback_bytes(cfg, g, params) / 2**30}
+            "float": float_bytes(cfg, g, params) / 2**30, "fallback": fallback_bytes(cfg, g, params) / 2**30}
     factors = {"download": DOWNLOAD_PEAK[v(cfg.model.source)], **STAGE_PEAK,
                **EXPORTERS[cfg.export.exporter].STAGE_PEAK}
     peaks = {stage: int((PROCESS_GIB + sum(c * held[k] for k, c in f.items())) * 2**30)

@@ -72,7 +72,7 @@ def test_cache_modes_declare_their_interface(name):
     m = CACHE_MODES[name]
     assert m.FLAGS and all(set(f) == {"custom_sdpa", "custom_kv_cache"} for f in m.FLAGS) and m.FLAGS_WHY
     assert isinstance(m.RUNTIME_OWNED, bool) and isinstance(m.KERNELS, tuple)
-    assert all(isinstance(m.rings(f), bool) for f in m.FLAGS) and isinstance(m.EXPORTS_NON_STRICT, bool)
+    assert all(isinstance(m.rings(f), bool) and isinstance(m.exports_non_strict(f), bool) for f in m.FLAGS)
     assert callable(m.wrap) and callable(m.constant_methods)
 
 
@@ -89,6 +89,7 @@ def test_backends_declare_their_interface(name):
 def test_exporters_declare_their_interface(name):
     e = EXPORTERS[name]
     assert set(e.STAGE_PEAK) == {"export", "lower"}
-    assert all(set(f) <= {"weights", "module", "embedding", "layers"} and min(f.values()) > 0 for f in e.STAGE_PEAK.values())
+    assert all(set(f) <= {"weights", "module", "embedding", "layers", "float"} and min(f.values()) > 0
+               for f in e.STAGE_PEAK.values())
     for fn in ("problems", "geometry_problems", "export", "lower", "artifacts"):
         assert callable(getattr(e, fn)), fn

@@ -139,15 +139,19 @@ def test_every_stage_has_an_estimate_and_a_build_that_would_not_fit_is_refused_b
 
 def test_verify_needs_more_where_the_cpu_lacks_the_native_4bit_gemm(monkeypatch):
     # the XNNPACK reference holds 8da4w weights as fp32 there (numerics.QB4WLinear), 3 bytes more a weight
+    from pipeline.backends import xnnpack
     from pipeline.backends.xnnpack import numerics
     from pipeline.model import sources
     cfg = compose_cfg("recipe=scale_llama32_1b")
     g = sources.geometry(cfg.model)
     monkeypatch.setattr(numerics, "runs_native_gemm", lambda: True)
     native = preflight.memory_estimate(cfg, g)["stage_peak_bytes"]
+    assert xnnpack.reference_extra_bytes("8da4w", 32) == 0
     monkeypatch.setattr(numerics, "runs_native_gemm", lambda: False)
     fallback = preflight.memory_estimate(cfg, g)["stage_peak_bytes"]
     assert {s: fallback[s] - native[s] for s in native if fallback[s] != native[s]}.keys() == {"verify"}
     assert fallback["verify"] - native["verify"] > 4 << 30  # 1.7 x 3 bytes x ~1 B linear weights
+    # per channel (group 0) its dots sum in float64: 7 bytes more; other schemes and backends hold nothing more
+    assert [xnnpack.reference_extra_bytes(*a) for a in (("8da4w", 32), ("8da4w", 0), ("8da8w", 0))] == [3, 7, 0]
     portable = compose_cfg("recipe=scale_llama32_1b", "backend=portable")
     assert preflight.fallback_bytes(portable, g, preflight.parameter_count(g)) == 0

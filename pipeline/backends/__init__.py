@@ -6,6 +6,8 @@ Each declares:
     HANDOVER_DTYPES: tuple   -- export.dtype values the transformers exporter's route builds well (and _WHY, why not others)
     DELEGATES_MATMULS: bool  -- lower refuses a half-precision program whose matmuls fall outside its delegate
     ASYMMETRIC_WEIGHTS: bool -- its quantized weights keep a zero point (quantize.source_grid carries Q4_1 there)
+    LOWERS_PROGRAM_IN_MEMORY: bool -- lower may take the program export holds in memory (pipeline/exporters/handoff.py)
+    LOWERS_NON_STRICT: bool  -- it lowers a non-strict exported program (export.strict: null, fp32)
     refuses(scheme, group, dtype, gemm) -- why this backend cannot build a quantization scheme at that
                                 export.dtype (gemm: a linear's weight), or None (preflight asks)
     refuses_cache(mode, flags) -- why it cannot build a cache mode with these custom-op flags, or None
@@ -18,6 +20,8 @@ Each declares:
     handover(model, q)       -- the forms its lowering gets right, for the transformers exporter's route
     reference(module)        -- the eager module that computes what its programs compute (verify's same-quant
                                 reference; XNNPACK's dynamic linears differ from torchao's emulation)
+    reference_extra_bytes(scheme, group) -- bytes a linear weight costs that reference on this CPU beyond what the
+                                native path holds (preflight's verify estimate)
     cross_check_runtime(mode) -- another runtime verify also compares against, when this machine has one
 """
 from __future__ import annotations

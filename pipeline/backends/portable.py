@@ -61,7 +61,7 @@ def reference(module):
     return module
 
 
-def reference_extra_bytes(scheme: str) -> int:
+def reference_extra_bytes(scheme: str, group: int) -> int:
     return 0  # the reference is the module itself
 
 

@@ -21,7 +21,8 @@ from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_streaming
 
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK (memory estimates) reads it
-STAGE_PEAK = {"export": {"module": 1.18, "embedding": 0.9, "layers": 0.9}, "lower": {"module": 2.45, "layers": 1.35}}
+STAGE_PEAK = {"export": {"module": 1.18, "embedding": 0.9, "layers": 0.9, "float": 0.7},
+              "lower": {"module": 2.45, "layers": 1.35, "float": 1.2}}
 PROGRAM = "model.pte"
 MATMUL_OPS = ("aten_linear_default", "aten_mm_default", "aten_addmm_default")
 
@@ -64,7 +65,8 @@ def strict_export(cfg) -> bool:
     elsewhere (HF's static cache and MLX's quantized tensors fail to lower from a non-strict program)."""
     if cfg.export.strict is not None:
         return bool(cfg.export.strict)
-    return not (BACKENDS[cfg.backend.name].LOWERS_NON_STRICT and CACHE_MODES[cfg.cache.mode].EXPORTS_NON_STRICT
+    mode = CACHE_MODES[cfg.cache.mode]
+    return not (BACKENDS[cfg.backend.name].LOWERS_NON_STRICT and mode.exports_non_strict(flags(cfg.cache))
                 and v(cfg.export.dtype) == "fp32")
 
 

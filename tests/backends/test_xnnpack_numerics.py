@@ -223,7 +223,7 @@ def test_the_native_4bit_gemm_gives_the_torch_paths_bits():
     to fp32."""
     from pipeline.backends.xnnpack.numerics import QB4WLinear, _native_qb4w
     if _native_qb4w() is None:
-        pytest.skip("this CPU has no AVX-512 VNNI: the reference takes the torch path only")
+        pytest.skip("no native 4-bit GEMM here (a CPU without AVX-512 VNNI, or no kernel library): the torch path only")
     g = torch.Generator().manual_seed(0)
     for n, k, group, rows in [(37, 64, 16, 3), (300, 640, 32, 9), (24, 8192, 8192, 2)]:
         qdata = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)

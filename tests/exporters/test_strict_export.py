@@ -16,6 +16,7 @@ from tests.helpers import build, compose_cfg, stage_path
     ((), False),                                              # the default build: xnnpack, custom cache, fp32
     (("recipe=tiny_gemma3_offgraph",), False),
     (("recipe=tiny_llama_xnnpack",), True),                   # HF's static cache
+    (("cache.custom_kv_cache=false",), True),                 # custom_sdpa alone: HF's static cache too
     (("recipe=tiny_llama_mlx",), True),                       # MLX's quantized tensors
     (("export.dtype=bf16",), True),                           # half programs: not measured
     (("export.strict=true",), True),                          # set by hand: as set

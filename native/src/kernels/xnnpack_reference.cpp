@@ -1,7 +1,8 @@
 // verify's emulation of XNNPACK's dynamically quantized 4-bit GEMM (pipeline/backends/xnnpack/numerics.py), part of
 // libllmpipe_kernels.so's C API:
 //   llmpipe_fma_chain: the fp32 running sum over the groups, given every group's integer dot;
-//   llmpipe_qb4w_gemm: the whole GEMM from int8 weights, on AVX-512 VNNI (0 when it ran, -1 when this CPU lacks it).
+//   llmpipe_qb4w_gemm: the whole GEMM from int8 weights, on AVX-512 VNNI (0 when it ran; -1 when this CPU lacks it
+//   or the shapes are not its).
 // Both give the bits of numerics.py's torch path: integer dots are exact in any order, and every fp32 step (the
 // int32 -> fp32 conversion, one fma per group in group order) is the same correctly rounded operation.
 #include <algorithm>
@@ -27,7 +28,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void qb4w_columns(const u
                                                                            float* out, int64_t block0,
                                                                            int64_t block1) {
   for (int64_t b = block0; b < block1; ++b) {
-    const int8_t* wb = w + b * k * 16;  // this block's weights stay in L1 across the rows
+    const int8_t* wb = w + b * k * 16;  // this block's k x 16 bytes stay in cache across the rows
     for (int64_t r = 0; r < rows; ++r) {
       const uint8_t* ar = a + r * k;
       float* o = out + r * cols + b * 16;
@@ -77,14 +78,14 @@ int llmpipe_qb4w_gemm(const uint8_t* a, int64_t rows, int64_t k, const int8_t* w
                       const float* scale16, float* out) {
 #if defined(__x86_64__)
   if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) return -1;
-  if (cols % 16 || group % 4 || k % group) return -1;
+  if (rows < 0 || k <= 0 || group <= 0 || cols % 16 || group % 4 || k % group) return -1;
   const int64_t blocks = cols / 16;
-  // about 64K multiply-adds per task at the least: a decode row's small linears stay on one thread
+  // about 64K multiply-adds per task at the least (only a tiny linear stays on one thread)
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, rows * k * 16));
-  executorch::extension::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  const bool ran = executorch::extension::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     qb4w_columns(a, rows, k, w, cols, group, scale16, out, b0, b1);
   });
-  return 0;
+  return ran ? 0 : -1;
 #else
   (void)a, (void)rows, (void)k, (void)w, (void)cols, (void)group, (void)scale16, (void)out;
   return -1;

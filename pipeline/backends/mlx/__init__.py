@@ -103,7 +103,7 @@ def reference(module):
     return numerics.reference(module, next(module.parameters()).dtype, copy_first=False)
 
 
-def reference_extra_bytes(scheme: str) -> int:
+def reference_extra_bytes(scheme: str, group: int) -> int:
     return 0  # the reference converts in place, in the module's own weights
 
 

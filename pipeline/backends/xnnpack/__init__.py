@@ -108,11 +108,14 @@ def reference(module):
     return numerics.reference(module, copy_first=False)
 
 
-def reference_extra_bytes(scheme: str) -> int:
-    """Bytes a linear weight of `scheme` costs the reference beyond the quantized module (preflight's verify
-    estimate): 3 for 8da4w where this CPU lacks the native 4-bit GEMM (fp32 weights instead of int8)."""
+def reference_extra_bytes(scheme: str, group: int) -> int:
+    """Bytes a linear weight of `scheme` costs the reference beyond its native path (preflight's verify estimate):
+    for 8da4w where this CPU lacks the native 4-bit GEMM, fp32 weights instead of int8 (3), float64 where a group's
+    dot outgrows fp32's exact integers (7: per channel, or groups wider than 512)."""
     from pipeline.backends.xnnpack import numerics
-    return 3 if scheme == "8da4w" and not numerics.runs_native_gemm() else 0
+    if scheme != "8da4w" or numerics.runs_native_gemm():
+        return 0
+    return 3 if group and numerics.dots_exact_in_fp32(group) else 7
 
 
 def cross_check_runtime(mode) -> None:

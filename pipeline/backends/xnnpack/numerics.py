@@ -33,8 +33,10 @@ What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; thes
 
 Exact integer sums do not depend on order, so those are computed with matmuls whose every partial sum is exact (fp32
 for a 4-bit group's dot, float64 for an 8-bit row); every fp32 step is done in the order above, the fmas correctly
-rounded (a float64 sum rounded to odd, in numpy: the group chain is thousands of small ops per token). The order and the qdu8 epilogue are those of the
-x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other orders: last-bit differences there).
+rounded (fmaf in native/'s kernel library, or a float64 sum rounded to odd in numpy). On an AVX-512 VNNI CPU the
+whole 4-bit GEMM runs natively from int8 weights (llmpipe_qb4w_gemm: vpdpbusd dots, then the same chain), the same
+bits. The order and the qdu8 epilogue are those of the x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other
+orders: last-bit differences there).
 
 How much each part matters: the bf16 group scales are nearly all of torchao's gap to an 8da4w program. The int8
 activations themselves agree with torchao's except at near-ties (about 1 row in 100-1500 differs, by one step in one
@@ -135,7 +137,7 @@ def fma32_chain(terms: torch.Tensor, scales: torch.Tensor, start: torch.Tensor, 
     """out = start, then out = fma32(terms[g], scales[g], out) for g in order: terms [G, M, N], scales [G, N].
 
     In C (fmaf, one rounding) where native/'s kernel library is built, else in numpy: the same bits, the C a few
-    hundred times faster (verify runs this chain for every 4-bit linear of every reference step)."""
+    hundred times faster (verify runs this chain for the 4-bit linears the native GEMM does not take)."""
     out, t, s = start.float().contiguous().numpy().copy(), terms.float().contiguous().numpy(), \
         scales.float().contiguous().numpy()
     lib = _native_chain() if native else None
@@ -166,6 +168,12 @@ def _native_chain():
         fn.restype = None
         fn.argtypes = [ctypes.POINTER(ctypes.c_float)] * 3 + [ctypes.c_int64] * 3
     return fn
+
+
+def dots_exact_in_fp32(group: int) -> bool:
+    """A group's sum of products of activations (<= 255) and 16 w (|16 w| <= 128) stays below 2^24, where every fp32
+    partial sum is an exact integer in any order (groups up to 512)."""
+    return group * 255 * 128 < 2 ** 24
 
 
 def runs_native_gemm() -> bool:
@@ -229,10 +237,8 @@ class QB4WLinear(nn.Module):
             self.register_buffer("w16", w16.reshape(cols // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(),
                                  persistent=False)
             return
-        # [groups, group, out], for one batched exact dot product per call: a group's sum of products of
-        # activations (<= 255) and 16 w (|16 w| <= 128) is an integer below 2^24 up to groups of 512, where every
-        # fp32 partial sum is exact in any order; wider groups sum in float64
-        self.sum_dtype = torch.float32 if self.group * 255 * 128 < 2 ** 24 else torch.float64
+        # [groups, group, out], for one batched exact dot product per call; wider groups sum in float64
+        self.sum_dtype = torch.float32 if dots_exact_in_fp32(self.group) else torch.float64
         self.register_buffer("w16", (qdata.to(self.sum_dtype) * 16).reshape(n, k // self.group, self.group)
                              .permute(1, 2, 0).contiguous(), persistent=False)
 

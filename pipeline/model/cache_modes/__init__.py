@@ -4,9 +4,9 @@ Each module declares:
     FLAGS: tuple[dict]     -- the combinations of cache.custom_sdpa / cache.custom_kv_cache the mode takes, the
                               first its default (FLAGS_WHY: why)
     RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
-    EXPORTS_NON_STRICT: bool -- its module exports non-strict to a program that lowers (export.strict: null)
     KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
+    exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
     kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
     wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->

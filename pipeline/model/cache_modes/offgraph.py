@@ -33,7 +33,6 @@ from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCac
 FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
-EXPORTS_NON_STRICT = True  # its op traces the same without dynamo
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
 LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
@@ -112,6 +111,10 @@ if not hasattr(getattr(torch.ops, NAMESPACE), READ_OP_NAME):
     _define_readonly()
 
 update_and_attend = torch.ops.llmpipe.update_and_attend
+
+
+def exports_non_strict(flags: dict) -> bool:
+    return True  # its op and cache trace the same without dynamo
 
 
 def rings(flags: dict) -> bool:
