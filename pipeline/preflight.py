@@ -349,7 +349,8 @@ def module_bytes(cfg, g: Geometry, params: int) -> int:
 
 def float_bytes(cfg, g: Geometry, params: int) -> int:
     """The module's weight bytes kept unquantized (scheme none), in the export dtype."""
-    return sum(n * DTYPE_BYTES[v(cfg.export.dtype)] for n, scheme, _ in module_parts(cfg, g, params) if scheme == "none")
+    dtype = v(cfg.export.dtype)
+    return int(sum(n * weight_bytes(s, group, dtype) for n, s, group in module_parts(cfg, g, params) if s == "none"))
 
 
 def fallback_bytes(cfg, g: Geometry, params: int) -> int:

@@ -215,7 +215,7 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
     against itself with last-bit float noise drawn from it, on the same tokens (the numerics floor)."""
     vc, chunk = ctx.cfg.verify, ctx.cfg.export.prefill_chunk
     gate = vc[gate_of(ctx.cfg)]
-    no_rings = ctx.geometry is not None and ctx.geometry.smallest_window is None
+    no_windows = ctx.geometry is not None and ctx.geometry.smallest_window is None  # the model has no sliding layers
     rings = CACHE_MODES[ctx.cfg.cache.mode].rings(cache_flags(ctx.cfg.cache))
     prompts, problems = [], []
     for text, ids in bar(verify_prompts(ctx, tok), desc="verify prompts", enabled=ctx.progress):
@@ -227,7 +227,7 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
         ref, ref_logits = greedy(reference, ids, n, chunk, eos, guess=got)
         # later runs of the same module step back to the end of the prompt it holds, n - 1 positions: a ring of
         # window + chunk - 1 slots still holds the window there while n <= chunk; other sliding caches start over
-        steps_back = no_rings or (rings and n <= chunk)
+        steps_back = no_windows or (rings and n <= chunk)
         pte_first, ref_first = (got_logits[0], ref_logits[0]) if steps_back else (None, None)
         same = {"greedy_match": leading_match(ref, got),
                 **compare(ref_logits, teacher_forced(pte, ids, ref, chunk, pte_first))}
