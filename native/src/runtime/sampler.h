@@ -8,6 +8,10 @@
 #include <random>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 namespace llmrt {
 
 class Sampler {
@@ -64,20 +68,36 @@ class Sampler {
     return idx_[keep - 1];
   }
 
+  // The first maximum, NaNs skipped (torch.argmax's tie rule; 0 when every value is NaN). Two passes: the max in
+  // SSE lanes, then the first index that equals it. Gemma's 262,144 logits took ~0.3 ms a token in a scalar loop.
   static int64_t argmax(const float* x, int64_t n) {
-    int64_t best = 0;
-    float bv = -INFINITY;
-    bool any = false;
-    for (int64_t i = 0; i < n; ++i) {
-      float v = x[i];
-      if (std::isnan(v)) continue;
-      if (!any || v > bv) {  // first maximum wins, like torch.argmax
-        bv = v;
-        best = i;
-        any = true;
-      }
+    float m = -INFINITY;
+    int64_t i = 0;
+#if defined(__SSE2__)
+    // maxps(v, acc) keeps acc where v is NaN: NaNs never enter the max
+    __m128 a0 = _mm_set1_ps(-INFINITY), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 16 <= n; i += 16) {
+      a0 = _mm_max_ps(_mm_loadu_ps(x + i), a0);
+      a1 = _mm_max_ps(_mm_loadu_ps(x + i + 4), a1);
+      a2 = _mm_max_ps(_mm_loadu_ps(x + i + 8), a2);
+      a3 = _mm_max_ps(_mm_loadu_ps(x + i + 12), a3);
     }
-    return best;
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, _mm_max_ps(_mm_max_ps(a0, a1), _mm_max_ps(a2, a3)));
+    for (float l : lanes) m = l > m ? l : m;
+#endif
+    for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+    i = 0;
+#if defined(__SSE2__)
+    const __m128 mv = _mm_set1_ps(m);
+    for (; i + 4 <= n; i += 4) {
+      int hit = _mm_movemask_ps(_mm_cmpeq_ps(_mm_loadu_ps(x + i), mv));
+      if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; ++i)
+      if (x[i] == m) return i;
+    return 0;  // every value NaN
   }
 
  private:
