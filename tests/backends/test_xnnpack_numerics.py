@@ -218,15 +218,17 @@ def test_the_8da4w_program_is_closer_to_the_reference_than_to_torchao(built):
 
 
 def test_the_native_4bit_gemm_gives_the_torch_paths_bits():
-    """llmpipe_qb4w_gemm (int8 weights, AVX-512 VNNI) against the torch path (fp32 dots, then the chain): the same
-    bits, on columns that are not a multiple of 16, a bias, and a per-channel group wide enough that its dots round
-    to fp32."""
+    """llmpipe_qb4w_gemm (packed 4-bit weights, AVX-512 VNNI) against the torch path (fp32 dots, then the chain):
+    the same bits, on columns that are not a multiple of 16, a bias, a per-channel group wide enough that its dots
+    round to fp32, and weights at the ends of the nibble range."""
     from pipeline.backends.xnnpack.numerics import QB4WLinear, _native_qb4w
     if _native_qb4w() is None:
         pytest.skip("no native 4-bit GEMM here (a CPU without AVX-512 VNNI, or no kernel library): the torch path only")
     g = torch.Generator().manual_seed(0)
     for n, k, group, rows in [(37, 64, 16, 3), (300, 640, 32, 9), (24, 8192, 8192, 2)]:
         qdata = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+        if group == 32:  # only -8 and 7: the packing's offset and both nibbles at their ends
+            qdata = torch.where(qdata < 0, -8, 7).to(torch.int8)
         scale = torch.rand(n, k // group, generator=g) * 0.01
         bias = torch.randn(n, generator=g)
         x = torch.randn(rows, k, generator=g) * 3

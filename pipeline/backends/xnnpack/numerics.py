@@ -34,8 +34,8 @@ What XNNPACK does (the XNNPACK commit ExecuTorch 1.5.1 pins, 2026-07-26/27; thes
 Exact integer sums do not depend on order, so those are computed with matmuls whose every partial sum is exact (fp32
 for a 4-bit group's dot, float64 for an 8-bit row); every fp32 step is done in the order above, the fmas correctly
 rounded (fmaf in native/'s kernel library, or a float64 sum rounded to odd in numpy). On an AVX-512 VNNI CPU the
-whole 4-bit GEMM runs natively from int8 weights (llmpipe_qb4w_gemm: vpdpbusd dots, then the same chain), the same
-bits. The order and the qdu8 epilogue are those of the x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other
+whole 4-bit GEMM runs natively from packed 4-bit weights (llmpipe_qb4w_gemm: vpdpbusd dots, then the same chain),
+the same bits. The order and the qdu8 epilogue are those of the x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other
 orders: last-bit differences there).
 
 How much each part matters: the bf16 group scales are nearly all of torchao's gap to an 8da4w program. The int8
@@ -184,7 +184,8 @@ def runs_native_gemm() -> bool:
 @functools.cache
 def _native_qb4w():
     """llmpipe_qb4w_gemm of the kernel library where this CPU runs it (AVX-512 VNNI, unsigned activations), or
-    None: the whole 4-bit GEMM from int8 weights, a quarter of the fp32 path's memory and a fraction of its time."""
+    None: the whole 4-bit GEMM from packed 4-bit weights, an eighth of the fp32 path's memory and a fraction of its
+    time."""
     if not runs_native_gemm():
         return None
     fn = getattr(_kernels_library(), "llmpipe_qb4w_gemm", None)
@@ -212,6 +213,14 @@ def packed_ksum(w: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tenso
     return acc
 
 
+def pack_nibbles(w: torch.Tensor) -> torch.Tensor:
+    """int4 weights [cols][k] (cols % 16 == 0, k % 8 == 0) as llmpipe_qb4w_gemm reads them: per block of 16 columns
+    and 8 inputs, 64 bytes, byte j holding column j / 4's w + 8 for inputs j % 4 (low nibble) and 4 + j % 4 (high)."""
+    cols, k = w.shape
+    u = (w.to(torch.int16) + 8).to(torch.uint8).reshape(cols // 16, 16, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()         # [cols / 16][k / 8][16][4]
+
+
 class QB4WLinear(nn.Module):
     """qd8-f32-qb4w: int8 activations per row, int4 weights in groups with bf16 scales."""
 
@@ -232,10 +241,8 @@ class QB4WLinear(nn.Module):
         pad = cols - n
         self.register_buffer("scale16", F.pad(bf16(s / 16).T, (0, pad)).contiguous())  # bf16(scale / 16): nibble << 4
         self.register_buffer("ksum", F.pad(packed_ksum(qdata, s, self.group), (0, pad)))
-        if self.native:  # 16 w as int8, [cols / 16][k / 4][16][4]: one vpdpbusd adds 4 inputs of 16 columns
-            w16 = F.pad(qdata.to(torch.int8) * 16, (0, 0, 0, pad))
-            self.register_buffer("w16", w16.reshape(cols // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous(),
-                                 persistent=False)
+        if self.native:
+            self.register_buffer("w4", pack_nibbles(F.pad(qdata.to(torch.int8), (0, 0, 0, pad))), persistent=False)
             return
         # [groups, group, out], for one batched exact dot product per call; wider groups sum in float64
         self.sum_dtype = torch.float32 if dots_exact_in_fp32(self.group) else torch.float64
@@ -248,9 +255,9 @@ class QB4WLinear(nn.Module):
         mult, dq, zp = row_qparams(x2, self.unsigned)
         a = quantize_rows(x2, mult, zp, self.unsigned)
         out = self.ksum[None, :] * zp.float()[:, None]                    # the running sum starts at ksum * zp
-        if self.native:  # the dots and the chain in one pass over int8 weights (the same bits as below)
+        if self.native:  # the dots and the chain in one pass over 4-bit weights (the same bits as below)
             a8 = a.to(torch.uint8).contiguous()
-            if _native_qb4w()(a8.data_ptr(), a8.shape[0], k, self.w16.data_ptr(), out.shape[1], self.group,
+            if _native_qb4w()(a8.data_ptr(), a8.shape[0], k, self.w4.data_ptr(), out.shape[1], self.group,
                               self.scale16.data_ptr(), out.data_ptr()) != 0:
                 raise RuntimeError("llmpipe_qb4w_gemm refused its arguments")
             out = out[:, :self.out_features]
