@@ -221,6 +221,12 @@ def pack_nibbles(w: torch.Tensor) -> torch.Tensor:
     return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()         # [cols / 16][k / 8][16][4]
 
 
+def block_scales(scale16: torch.Tensor) -> torch.Tensor:
+    """Group scales [groups][cols] (bf16 values) as llmpipe_qb4w_gemm reads them: bf16 [cols / 16][groups][16]."""
+    groups, cols = scale16.shape
+    return scale16.to(torch.bfloat16).reshape(groups, cols // 16, 16).transpose(0, 1).contiguous()
+
+
 class QB4WLinear(nn.Module):
     """qd8-f32-qb4w: int8 activations per row, int4 weights in groups with bf16 scales."""
 
@@ -239,11 +245,13 @@ class QB4WLinear(nn.Module):
         # the native kernel takes 16 columns at a time: pad the columns (zero weights, scales and ksums)
         cols = -(-n // 16) * 16 if self.native else n
         pad = cols - n
-        self.register_buffer("scale16", F.pad(bf16(s / 16).T, (0, pad)).contiguous())  # bf16(scale / 16): nibble << 4
+        scale16 = F.pad(bf16(s / 16).T, (0, pad)).contiguous()          # [groups][cols] bf16(scale / 16): nibble << 4
         self.register_buffer("ksum", F.pad(packed_ksum(qdata, s, self.group), (0, pad)))
         if self.native:
             self.register_buffer("w4", pack_nibbles(F.pad(qdata.to(torch.int8), (0, 0, 0, pad))), persistent=False)
+            self.register_buffer("scales", block_scales(scale16), persistent=False)
             return
+        self.register_buffer("scale16", scale16)
         # [groups, group, out], for one batched exact dot product per call; wider groups sum in float64
         self.sum_dtype = torch.float32 if dots_exact_in_fp32(self.group) else torch.float64
         self.register_buffer("w16", (qdata.to(self.sum_dtype) * 16).reshape(n, k // self.group, self.group)
@@ -258,7 +266,7 @@ class QB4WLinear(nn.Module):
         if self.native:  # the dots and the chain in one pass over 4-bit weights (the same bits as below)
             a8 = a.to(torch.uint8).contiguous()
             if _native_qb4w()(a8.data_ptr(), a8.shape[0], k, self.w4.data_ptr(), out.shape[1], self.group,
-                              self.scale16.data_ptr(), out.data_ptr()) != 0:
+                              self.scales.data_ptr(), out.data_ptr()) != 0:
                 raise RuntimeError("llmpipe_qb4w_gemm refused its arguments")
             out = out[:, :self.out_features]
         else:
