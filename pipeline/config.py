@@ -175,17 +175,10 @@ class ExportConfig:
     fuse_projections: bool = True
 
 
-class LmHeadKernel(str, Enum):
-    delegate = "delegate"   # the backend's own GEMM, inside its delegate
-    llmpipe = "llmpipe"     # an 8da4w lm_head on llmpipe::linear_q4 (XNNPACK): its numerics, a faster decode
-
-
 @dataclass
 class BackendConfig:
     name: BackendName = BackendName.xnnpack
     quant_fusion: bool = True                 # do_quant_fusion_and_const_prop
-    # who runs the lm_head's GEMM (pipeline/backends/xnnpack/head_kernel.py)
-    lm_head_kernel: LmHeadKernel = LmHeadKernel.delegate
 
 
 @dataclass

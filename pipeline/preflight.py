@@ -111,8 +111,6 @@ def quantize_problems(cfg) -> Problems:
             out.append(("quantize.algorithm", v(q.algorithm), "nvfp4 has its own scales: allowed ['minmax']"))
         if group < 0:
             out.append((group_key, group, "must be >= 0 (0 = per channel)"))
-    if v(cfg.backend.lm_head_kernel) == "llmpipe":
-        out += lm_head_kernel_problems(cfg)
     if q.source_grid and v(cfg.model.source) != "gguf":
         out.append(("quantize.source_grid", True, f"carries a GGUF file's own blocks: needs model.source=gguf "
                     f"(is {v(cfg.model.source)!r})"))
@@ -126,22 +124,6 @@ def quantize_problems(cfg) -> Problems:
             out.append(("quantize.smoothing", q.smoothing, "smooths the inputs of quantized linears: none are "
                         "quantized (quantize.linear / lm_head / overrides)"))
     return out
-
-
-def lm_head_kernel_problems(cfg) -> Problems:
-    """backend.lm_head_kernel=llmpipe runs an fp32 XNNPACK program's 8da4w lm_head, in groups of a multiple of 32
-    (or per channel), on llmpipe::linear_q4."""
-    scheme, _ = head_scheme(cfg.quantize)
-    key, value = "backend.lm_head_kernel", "llmpipe"
-    if v(cfg.backend.name) != "xnnpack":
-        return [(key, value, f"runs beside the XNNPACK delegate only (backend={v(cfg.backend.name)}): allowed "
-                 f"['delegate']")]
-    if scheme != "8da4w":
-        return [(key, value, f"takes an 8da4w lm_head; this build's is {scheme} (quantize.lm_head, or the "
-                 f"linears' scheme when it is null): allowed ['delegate']")]
-    if v(cfg.export.dtype) != "fp32":
-        return [(key, value, f"takes fp32 activations; export.dtype={v(cfg.export.dtype)}: allowed ['delegate']")]
-    return []
 
 
 def cache_problems(cfg) -> Problems:
@@ -235,9 +217,6 @@ def geometry_problems(cfg, g: Geometry) -> Problems:
                         "must divide the in_features of every linear; it does not divide "
                         + ", ".join(f"{k} ({n})" for k, n in bad.items())
                         + f"; divisors that work: {_common_divisors(g.linear_in_features().values())}"))
-    if v(cfg.backend.lm_head_kernel) == "llmpipe" and g.vocab_size % 16:
-        out.append(("backend.lm_head_kernel", "llmpipe", f"llmpipe::linear_q4 takes 16 output columns at a time; the "
-                    f"vocabulary ({g.vocab_size}) is not a multiple of 16: allowed ['delegate']"))
     if q.lm_head is not None and v(q.lm_head) != "none" and q.lm_head_group_size > 0 \
             and g.hidden_size % q.lm_head_group_size:
         out.append(("quantize.lm_head_group_size", q.lm_head_group_size, f"must divide the lm_head's in_features "

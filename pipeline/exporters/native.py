@@ -73,7 +73,6 @@ def strict_export(cfg) -> bool:
 def export(ctx) -> dict:
     """Writes program.pt2 (torch.export.save)."""
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
-    BACKENDS[ctx.cfg.backend.name].setup()
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
@@ -172,7 +171,6 @@ def lower(ctx) -> dict:
     """Writes model.pte and lower.json (the program record, the constant methods, delegation by op)."""
     import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
     cfg = ctx.cfg
-    BACKENDS[cfg.backend.name].setup()  # and to the backend's own (llmpipe::linear_q4)
     program = ctx.inputs["export"] / "program.pt2"
     ep = handoff.take(program)
     if ep is None:
@@ -183,11 +181,8 @@ def lower(ctx) -> dict:
     pte = ctx.out / PROGRAM
     with open(pte, "wb") as f:
         et.write_to_file(f)
-    kernels = list(CACHE_MODES[cfg.cache.mode].KERNELS)
-    if "llmpipe" not in kernels and any(op.startswith("llmpipe") for op in report["by_op"]):  # e.g. linear_q4
-        kernels.append("llmpipe")
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
-                         "kernels": kernels}
+                         "kernels": list(CACHE_MODES[cfg.cache.mode].KERNELS)}
     report["constant_methods"] = methods
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],

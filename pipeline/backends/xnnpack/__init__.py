@@ -60,21 +60,16 @@ def refuses_kv_dtype() -> str | None:
 
 
 def setup() -> None:
-    from pipeline.backends.xnnpack import head_kernel  # noqa: F401  (defines llmpipe::linear_q4)
+    pass
 
 
 def prepare(module, cfg) -> dict:
-    """Weight-only linears in the forms XNNPACK (or the portable kernels) run correctly; the lm_head on
-    llmpipe::linear_q4 where backend.lm_head_kernel says so."""
-    info = {}
-    if v(cfg.backend.lm_head_kernel) == "llmpipe":
-        from pipeline.backends.xnnpack.head_kernel import swap_head
-        info.update(swap_head(module.model))
+    """Weight-only linears in the forms XNNPACK (or the portable kernels) run correctly."""
     bits = WEIGHT_ONLY_BITS.get(v(cfg.quantize.linear))
     if bits is None:
-        return info
+        return {}
     from pipeline.backends.xnnpack.weight_only import prepare_weight_only_linears
-    info.update(prepare_weight_only_linears(module.model, bits))
+    info = prepare_weight_only_linears(module.model, bits)
     if info["mixed_linear"]:
         log.warning("%d group-wise weight-only linears run on the portable mixed_linear kernel "
                     "(XNNPACK has none for fp32 x group-wise int weights): correct but slow; "
