@@ -17,6 +17,7 @@
 #include "batched/batched_engine.h"
 #include "runner/cli_common.h"
 #include "runtime/chat_template.h"
+#include "runtime/huge_pages.h"
 #include "runtime/llm_program.h"
 #include "runtime/sysmem.h"
 #include "tokenizer/tokenizer.h"
@@ -81,6 +82,8 @@ void print_help() {
       "  --threads N                 XNNPACK/ExecuTorch thread-pool size, 0 = runtime default\n"
       "                              (default: %lld)\n"
       "  --quiet                     do not print the texts to stdout (default: off)\n"
+      "  --huge-pages on|off         back the weights XNNPACK packs and the KV cache with 2 MiB\n"
+      "                              pages after the load (Linux >= 6.1): faster decode (default: on)\n"
       "%s"
       "  --help                      this text\n"
       "\n"
@@ -314,11 +317,13 @@ int run(const Options& given) {
     }
   }
   Engine engine(prog, specs, chunk, eo, stops);
+  const HugePages huge = o.huge_pages ? back_with_huge_pages() : HugePages{};
 
   std::fprintf(stderr, "[program] %s | context %lld | chunk %lld | vocab %lld | logits %s | load %.1f ms | threads %d\n",
                o.pte.c_str(), static_cast<long long>(info.max_context_len), static_cast<long long>(info.max_seq_len),
                static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), load_ms, threads);
   std::fprintf(stderr, "%s\n", engine.describe().c_str());
+  std::fprintf(stderr, "%s\n", describe(huge, o.huge_pages).c_str());
   std::fprintf(stderr,
                "[scheduler] decode-first | %lld rows per forward | %s (logits '%s') | max %lld sessions, %lld tokens each | "
                "prefix cache %lld entries\n",
@@ -422,6 +427,7 @@ int run(const Options& given) {
                        {"evictions", ps.evictions}};
   e["load_ms"] = load_ms;
   e["threads"] = threads;
+  e["huge_pages_mib"] = static_cast<double>(huge.bytes) / (1 << 20);
   e["peak_rss_mib"] = peak_rss_mib();
   emit(stats_file.get(), "ENGINE_JSON", e);
   if (failed > 0) {

@@ -82,6 +82,11 @@ bool CommonOptions::parse(ArgReader& args) {
   else if (a == "--top-k") top_k = parse_int(a, args.value());
   else if (a == "--seed") seed = static_cast<uint64_t>(parse_int(a, args.value()));
   else if (a == "--threads") threads = parse_int(a, args.value());
+  else if (a == "--huge-pages") {
+    const std::string v = args.value();
+    if (v != "on" && v != "off") throw UsageError("--huge-pages takes on or off, got '" + v + "'");
+    huge_pages = v == "on";
+  }
   else if (a == "--kv-initial-capacity") {
     kv_initial_capacity = parse_int(a, args.value());
     kv_flags = true;

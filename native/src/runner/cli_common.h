@@ -71,6 +71,7 @@ struct CommonOptions {
   uint64_t seed = 42;
   bool ignore_eos = false, quiet = false;
   int64_t threads = 0;
+  bool huge_pages = true;        // --huge-pages on|off: back the weights and the cache with 2 MiB pages
   int64_t kv_initial_capacity = kKvInitialCapacity;  // -1 = the default
   std::string kv_windows;        // empty = the program's get_windows
   std::string kv_storage_dtype;  // empty = the program's activation dtype

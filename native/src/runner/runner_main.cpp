@@ -134,7 +134,9 @@ int run(const Options& given) {
     cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings));
   }
   KvCacheOwner& cache = *cache_owner;
+  if (o.huge_pages) li.huge = back_with_huge_pages();
   std::fprintf(stderr, "%s\n", cache.describe().c_str());
+  std::fprintf(stderr, "%s\n", describe(li.huge, o.huge_pages).c_str());
   std::fprintf(stderr, "[memory] rss after load %.1f MiB (load %.1f ms, threads %d)\n", li.rss_load,
                li.load_ms, li.threads);
 

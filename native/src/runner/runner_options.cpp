@@ -42,6 +42,8 @@ void print_help() {
       "  --threads N           XNNPACK/ExecuTorch thread-pool size, 0 = runtime default\n"
       "                        (default: %lld)\n"
       "  --quiet               do not stream the text to stdout (default: off)\n"
+      "  --huge-pages on|off   back the weights XNNPACK packs and the KV cache with 2 MiB pages\n"
+      "                        after the load (Linux >= 6.1): faster decode (default: on)\n"
       "  --kv-max-capacity N   off-graph KV cache of N positions, for programs exported with\n"
       "                        cache.mode=offgraph; 0 = the program keeps its cache (in-graph)\n"
       "                        (default: %lld)\n"

@@ -43,6 +43,7 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["cache_bytes"] = cache.bytes();
   j["cache_report"] = cache.describe();
   j["threads"] = li.threads;
+  j["huge_pages_mib"] = static_cast<double>(li.huge.bytes) / (1 << 20);
   j["max_context_len"] = info.max_context_len;
   j["max_seq_len"] = info.max_seq_len;
   j["vocab_size"] = info.vocab_size;

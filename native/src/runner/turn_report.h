@@ -6,6 +6,7 @@
 
 #include "runner/runner_options.h"
 #include "runner/turn_runner.h"
+#include "runtime/huge_pages.h"
 #include "runtime/kv_cache.h"
 #include "runtime/llm_program.h"
 
@@ -15,6 +16,7 @@ namespace llmrt::runner {
 struct LoadInfo {
   double load_ms = 0, tokenizer_ms = 0, rss_load = 0;
   int threads = 0;
+  HugePages huge;  // what --huge-pages put on 2 MiB pages
 };
 
 // The stats of one turn; the field names are read by the Python side and the tests.

@@ -1,0 +1,61 @@
+#include "runtime/huge_pages.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25  // Linux 6.1; older headers lack it
+#endif
+
+namespace llmrt {
+
+HugePages back_with_huge_pages(int64_t min_bytes) {
+  const auto t0 = std::chrono::steady_clock::now();
+  HugePages out;
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (!maps) {
+    out.error = "cannot read /proc/self/maps";
+    return out;
+  }
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  char line[512];
+  int first_errno = 0;
+  while (std::fgets(line, sizeof(line), maps)) {
+    unsigned long begin = 0, end = 0, offset = 0, inode = 0;
+    char perms[8] = {0}, dev[16] = {0};
+    int name_at = 0;
+    if (std::sscanf(line, "%lx-%lx %7s %lx %15s %lu %n", &begin, &end, perms, &offset, dev, &inode, &name_at) < 6)
+      continue;
+    const char* name = line + name_at;
+    const bool anonymous = inode == 0 && (name[0] == '\n' || name[0] == '\0' || std::strncmp(name, "[heap]", 6) == 0);
+    if (!anonymous || std::strncmp(perms, "rw-p", 4) != 0) continue;
+    const uintptr_t b = (begin + kHuge - 1) & ~(kHuge - 1), e = end & ~(kHuge - 1);
+    if (e <= b || static_cast<int64_t>(end - begin) < min_bytes) continue;
+    void* p = reinterpret_cast<void*>(b);
+    ++out.regions;
+    madvise(p, e - b, MADV_HUGEPAGE);
+    if (madvise(p, e - b, MADV_COLLAPSE) == 0) out.bytes += static_cast<int64_t>(e - b);
+    else if (!first_errno) first_errno = errno;
+  }
+  std::fclose(maps);
+  out.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  if (out.bytes == 0 && first_errno)
+    out.error = std::string("MADV_COLLAPSE: ") + std::strerror(first_errno) + " (Linux >= 6.1 with THP not 'never')";
+  return out;
+}
+
+std::string describe(const HugePages& h, bool asked) {
+  if (!asked) return "[memory] huge pages off (--huge-pages off)";
+  if (h.bytes == 0)
+    return "[memory] huge pages: none" + (h.error.empty() ? std::string(" (no mapping large enough)") : " (" + h.error + ")");
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "[memory] huge pages: %.1f MiB of %d mappings on 2 MiB pages (%.1f ms)",
+                static_cast<double>(h.bytes) / (1 << 20), h.regions, h.ms);
+  return buf;
+}
+
+}  // namespace llmrt
