@@ -117,6 +117,10 @@ def test_the_command_streams_reports_and_chats():
     # the same program given as a bare --pte with its tokenizer
     bare = _cli("--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", "hello there", "--max-new-tokens", "8")
     assert bare.returncode == 0, bare.stderr[-2000:]
+    # 4 KiB pages (--huge-pages off): the same tokens
+    small = _cli("--run", run, "--prompt", "hello there", "--max-new-tokens", "8", "--huge-pages", "off")
+    assert small.returncode == 0 and "0 MiB on 2 MiB pages" in small.stderr, small.stderr[-2000:]
+    assert _stats(small.stderr)[0]["generated_ids"] == stats["generated_ids"]
     # sampling: the seed decides
     sampled = [_stats(_cli("--run", run, "--prompt", "hello", "--temperature", "1.0", "--top-p", "0.9",
                            "--seed", "7", "--max-new-tokens", "8").stderr)[0]["generated_ids"] for _ in range(2)]

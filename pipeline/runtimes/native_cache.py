@@ -38,11 +38,18 @@ def load_native_kernels(path=None):
                             ("llmpipe_cache_allocated", i64, [vp, c_int]),
                             ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
                             ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
+                            ("llmpipe_back_with_huge_pages", i64, [i64]),
                             ("llmpipe_last_error", ctypes.c_char_p, [])]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
     _NATIVE_LIB = lib
     return lib
+
+
+def back_with_huge_pages(min_bytes: int = 4 << 20) -> int:
+    """The C++ runners' --huge-pages in this process (native/src/runtime/huge_pages.h): its large anonymous
+    mappings (XNNPACK's packed weights, the KV cache) collapsed onto 2 MiB pages. Returns the bytes now on them."""
+    return int(load_native_kernels().llmpipe_back_with_huge_pages(int(min_bytes)))
 
 
 class NativeOffgraphCache:

@@ -56,3 +56,28 @@ def test_the_python_runner_answers_paris_with_the_cpp_runners_tokens(smollm2_def
     stats = json.loads(next(ln for ln in r.stderr.splitlines() if ln.startswith("STATS_JSON: ")).split(": ", 1)[1])
     theirs = native.run(m["pte"], m["tokenizer"], prompt_ids=stats["prompt_ids"], max_new_tokens=24)
     assert stats["generated_ids"] == theirs["generated_ids"] and len(set(stats["generated_ids"])) > 3
+
+
+def _collapse_supported() -> bool:
+    """MADV_COLLAPSE: Linux >= 6.1, transparent huge pages not switched off."""
+    import os
+    import re
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    try:
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    return (major, minor) >= (6, 1) and "[never]" not in thp
+
+
+def test_huge_pages_hold_the_weights_and_change_no_token(smollm2_default):
+    """--huge-pages (the default) puts XNNPACK's packed weights on 2 MiB pages; the tokens are those of off."""
+    m = smollm2_default
+    ids = list(range(100, 132))
+    on = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=16, extra_args=["--ignore-eos"])
+    off = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=16,
+                     extra_args=["--ignore-eos", "--huge-pages", "off"])
+    assert on["generated_ids"] == off["generated_ids"]
+    assert off["huge_pages_mib"] == 0
+    if _collapse_supported():  # the default build's packed weights are ~100 MiB
+        assert on["huge_pages_mib"] > 50, on["huge_pages_mib"]

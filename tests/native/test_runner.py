@@ -35,7 +35,7 @@ def test_help_lists_every_default(native_bins):
     assert proc.returncode == 0
     for flag in ("--pte", "--tokenizer", "--prompt", "--prompt-ids", "--max-new-tokens", "--temperature",
                  "--top-p", "--top-k", "--seed", "--chat", "--warmup", "--interactive", "--stats-json",
-                 "--encode", "--threads"):
+                 "--encode", "--threads", "--huge-pages"):
         assert flag in proc.stdout
     for default in ("(default: 50)", "(default: 0)", "(default: 1)", "(default: 42)", "llama3 | gemma | gemma4 | chatml"):
         assert default in proc.stdout
@@ -164,6 +164,7 @@ def test_errors_are_messages_not_crashes(native_bins, tiny_programs, tmp_path):
         (["--prompt-ids", "1,2"], "--pte is required"),
         (["--pte", good, "--prompt", "hi"], "--tokenizer is required"),
         (["--pte", good, "--prompt-ids", "1", "--bogus"], "unknown argument '--bogus'"),
+        (["--pte", good, "--prompt-ids", "1", "--huge-pages", "maybe"], "--huge-pages takes on or off, got 'maybe'"),
         (["--pte", good, "--prompt-ids", "1", "--tokenizer", tmp_path / "none.json"],
          "cannot open tokenizer file"),
     ]
