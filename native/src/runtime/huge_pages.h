@@ -2,8 +2,9 @@
 //
 // Why: a decoded token streams every weight once (SmolLM2 8da4w ~70 MB, gemma3 ~150 MB), from the buffers XNNPACK
 // packs them into at load. On 4 KiB pages the hardware prefetcher stops at every page boundary and each page costs a
-// TLB miss; on 2 MiB pages the stream runs on. Measured on gemma3_offgraph_8da4w (2-core AVX-512 EPYC, 4 KiB pages
-// by default: THP `madvise`): decode 59 -> 70 tok/s at 1 thread, 106 -> 116 at 2 (bench/huge_pages.py).
+// TLB miss; on 2 MiB pages the stream runs on. Transparent huge pages are often `madvise`-only, and XNNPACK's
+// buffers are never advised. gemma3_offgraph_8da4w on a 2-core Xeon: decode 59.7 -> 75.2 tok/s at 1 thread,
+// 98.9 -> 119.3 at 2 (python bench/huge_pages.py; README, The native runner).
 #pragma once
 
 #include <cstdint>
