@@ -22,6 +22,7 @@ HugePages back_with_huge_pages(int64_t min_bytes) {
     return out;
   }
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  unsigned char resident[kHuge / 4096];  // mincore's answer for one 2 MiB, a byte a 4 KiB page
   char line[512];
   int first_errno = 0;
   while (std::fgets(line, sizeof(line), maps)) {
@@ -35,11 +36,18 @@ HugePages back_with_huge_pages(int64_t min_bytes) {
     if (!anonymous || std::strncmp(perms, "rw-p", 4) != 0) continue;
     const uintptr_t b = (begin + kHuge - 1) & ~(kHuge - 1), e = end & ~(kHuge - 1);
     if (e <= b || static_cast<int64_t>(end - begin) < min_bytes) continue;
-    void* p = reinterpret_cast<void*>(b);
     ++out.regions;
-    madvise(p, e - b, MADV_HUGEPAGE);
-    if (madvise(p, e - b, MADV_COLLAPSE) == 0) out.bytes += static_cast<int64_t>(e - b);
-    else if (!first_errno) first_errno = errno;
+    madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
+    // only 2 MiB that are all resident: a collapse fills the holes, and reserved but untouched memory (a KV
+    // cache's unused capacity) must stay unbacked
+    for (uintptr_t c = b; c < e; c += kHuge) {
+      if (mincore(reinterpret_cast<void*>(c), kHuge, resident) != 0) break;
+      bool all = true;
+      for (unsigned char r : resident) all = all && (r & 1);
+      if (!all) continue;
+      if (madvise(reinterpret_cast<void*>(c), kHuge, MADV_COLLAPSE) == 0) out.bytes += static_cast<int64_t>(kHuge);
+      else if (!first_errno) first_errno = errno;
+    }
   }
   std::fclose(maps);
   out.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -19,9 +19,10 @@ struct HugePages {
   std::string error;   // why none could be (an old kernel, THP off); empty when they were
 };
 
-// Collapses every private anonymous mapping (the heap included) of at least `min_bytes`, its 2 MiB-aligned
-// inside, into huge pages, and marks it MADV_HUGEPAGE so later faults there take them too. Call after the
-// program's methods are loaded (XNNPACK packs its weights then) and the KV cache is allocated.
+// Collapses the wholly resident 2 MiB chunks of every private anonymous mapping (the heap included) of at least
+// `min_bytes` into huge pages (so resident memory never grows), and marks each such mapping MADV_HUGEPAGE so later
+// faults there take them too. Call after the program's methods are loaded (XNNPACK packs its weights then) and
+// the KV cache is allocated.
 HugePages back_with_huge_pages(int64_t min_bytes = 4 << 20);
 
 // The runners' "[memory] huge pages ..." line.
