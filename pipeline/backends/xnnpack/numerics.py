@@ -35,8 +35,8 @@ Exact integer sums do not depend on order, so those are computed with matmuls wh
 for a 4-bit group's dot, float64 for an 8-bit row); every fp32 step is done in the order above, the fmas correctly
 rounded (fmaf in native/'s kernel library, or a float64 sum rounded to odd in numpy). On an AVX-512 VNNI CPU the
 whole 4-bit GEMM runs natively from packed 4-bit weights (llmpipe_qb4w_gemm: vpdpbusd dots, then the same chain),
-the same bits. The order and the qdu8 epilogue are those of the x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum in other
-orders: last-bit differences there).
+the same bits. The order and the qdu8 epilogue are those of the x86 AVX-512 VNNI kernels (AVX2 and Arm kernels sum
+in other orders: last-bit differences there).
 
 How much each part matters: the bf16 group scales are nearly all of torchao's gap to an 8da4w program. The int8
 activations themselves agree with torchao's except at near-ties (about 1 row in 100-1500 differs, by one step in one
