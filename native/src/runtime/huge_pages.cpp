@@ -37,9 +37,8 @@ HugePages back_with_huge_pages(int64_t min_bytes) {
     const uintptr_t b = (begin + kHuge - 1) & ~(kHuge - 1), e = end & ~(kHuge - 1);
     if (e <= b || static_cast<int64_t>(end - begin) < min_bytes) continue;
     ++out.regions;
-    madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
     // only 2 MiB that are all resident: a collapse fills the holes, and reserved but untouched memory (a KV
-    // cache's unused capacity) must stay unbacked
+    // cache's unused capacity) must stay unbacked. No MADV_HUGEPAGE either: a later fault would take 2 MiB
     for (uintptr_t c = b; c < e; c += kHuge) {
       if (mincore(reinterpret_cast<void*>(c), kHuge, resident) != 0) break;
       bool all = true;

@@ -20,9 +20,8 @@ struct HugePages {
 };
 
 // Collapses the wholly resident 2 MiB chunks of every private anonymous mapping (the heap included) of at least
-// `min_bytes` into huge pages (so resident memory never grows), and marks each such mapping MADV_HUGEPAGE so later
-// faults there take them too. Call after the program's methods are loaded (XNNPACK packs its weights then) and
-// the KV cache is allocated.
+// `min_bytes` into huge pages, so resident memory never grows. Call after the program's methods are loaded
+// (XNNPACK packs its weights then) and the KV cache is allocated; what is touched later stays on 4 KiB pages.
 HugePages back_with_huge_pages(int64_t min_bytes = 4 << 20);
 
 // The runners' "[memory] huge pages ..." line.
