@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/sysmem.h"
+
 #ifndef MADV_COLLAPSE
 #define MADV_COLLAPSE 25  // Linux 6.1; older headers lack it
 #endif
@@ -25,6 +27,7 @@ HugePages back_with_huge_pages(int64_t min_bytes) {
   unsigned char resident[kHuge / 4096];  // mincore's answer for one 2 MiB, a byte a 4 KiB page
   char line[512];
   int first_errno = 0;
+  const uint64_t ram = physical_memory_bytes();
   while (std::fgets(line, sizeof(line), maps)) {
     unsigned long begin = 0, end = 0, offset = 0, inode = 0;
     char perms[8] = {0}, dev[16] = {0};
@@ -36,6 +39,9 @@ HugePages back_with_huge_pages(int64_t min_bytes) {
     if (!anonymous || std::strncmp(perms, "rw-p", 4) != 0) continue;
     const uintptr_t b = (begin + kHuge - 1) & ~(kHuge - 1), e = end & ~(kHuge - 1);
     if (e <= b || static_cast<int64_t>(end - begin) < min_bytes) continue;
+    // a reservation beyond the machine's memory (a sanitizer's shadow: terabytes) is never resident; walking it
+    // 2 MiB at a time would take minutes
+    if (end - begin > ram) continue;
     ++out.regions;
     // only 2 MiB that are all resident: a collapse fills the holes, and reserved but untouched memory (a KV
     // cache's unused capacity) must stay unbacked. No MADV_HUGEPAGE either: a later fault would take 2 MiB
