@@ -33,19 +33,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=128)
     a = ap.parse_args()
-    names = a.builds.split(",")
+    names, threads = a.builds.split(","), [int(t) for t in a.threads.split(",")]
     manifests = {name: build(BUILDS[name]) for name in names}  # run manifests: pte, tokenizer, config
     results: dict = {}
     for _ in range(a.rounds):
         for name in names:
-            for t in map(int, a.threads.split(",")):
+            for t in threads:
                 for huge in ("off", "on"):  # alternating, so a slow spell of the machine hits both
                     results.setdefault(f"{name} t{t} {huge}", []).append(decode(manifests[name], t, huge, a.new_tokens))
     table = {}
     print("| build | threads | decode off | decode on | on / off | on 2 MiB pages | peak RSS off / on MiB |")
     print("|---|---|---|---|---|---|---|")
     for name in names:
-        for t in map(int, a.threads.split(",")):
+        for t in threads:
             off, on = results[f"{name} t{t} off"], results[f"{name} t{t} on"]
             mo = statistics.median(r["decode_tok_s"] for r in off)
             mn = statistics.median(r["decode_tok_s"] for r in on)

@@ -62,9 +62,10 @@ def _collapse_supported() -> bool:
     """MADV_COLLAPSE: Linux >= 6.1, transparent huge pages not switched off."""
     import os
     import re
+    from pathlib import Path
     major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
     return (major, minor) >= (6, 1) and "[never]" not in thp
