@@ -37,6 +37,7 @@ BUILDS = {
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
         "8da4w, 4w embedding (smollm2_custom)": ["recipe=smollm2_custom"],
+        "8da4w, 4w embedding, fp16 K/V (cache.kv_dtype=fp16)": ["recipe=smollm2_custom", "cache.kv_dtype=fp16"],
         "8da4w, 8-bit embedding + lm_head": ["recipe=smollm2_custom", *HEAD_8BIT],
         "8da4w hqq, 8-bit embedding + lm_head": ["recipe=smollm2_custom", *HEAD_8BIT, "quantize.algorithm=hqq"],
         "8da4w hqq, 8-bit embedding + lm_head + down_proj": ["recipe=smollm2_custom", *HEAD_8BIT,

@@ -7,12 +7,14 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <executorch/runtime/core/portable_type/tensor_impl.h>
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/kv_attention.h"
+#include "kernels/simd_math.h"
 #include "runtime/threadpool.h"
 
 namespace {
@@ -25,12 +27,38 @@ using namespace llmrt::kv;
 struct Case {
   const char* name;
   int64_t hq, hkv, d, positions, window;
+  int dtype = kFloat;  // K/V storage
 };
 
+// fp32 to a half type's bits, round to nearest even (normal values: these are N(0, 1) draws)
+uint16_t to_storage(float f, int dtype) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if (dtype == kBFloat16) return static_cast<uint16_t>((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
+  uint32_t mant = x & 0x7fffff;
+  if (exp <= 0) return static_cast<uint16_t>(sign);  // below half's normals: not drawn here
+  uint32_t h = (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+float from_storage(uint16_t h, int dtype) {
+  if (dtype == kHalf) return llmrt::kv::simd::half_to_float(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // One layer's K/V for `positions` positions (slot = position) and every position's queries [hq][positions][d].
+// k and v hold the values the cache stores (rounded to its type); kv_bytes, those values in the storage type.
 struct Layer {
   Case c;
   std::vector<float> k, v, q;
+  std::vector<uint8_t> kbytes, vbytes;
   explicit Layer(const Case& c_) : c(c_) {
     std::mt19937 rng(7);
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -39,6 +67,19 @@ struct Layer {
     q.resize(static_cast<size_t>(c.hq * c.positions * c.d));
     for (auto* x : {&k, &v, &q})
       for (float& f : *x) f = nd(rng);
+    const int es = element_size(c.dtype);
+    kbytes.resize(k.size() * es);
+    vbytes.resize(v.size() * es);
+    for (auto [x, bytes] : {std::pair{&k, &kbytes}, std::pair{&v, &vbytes}})
+      for (size_t i = 0; i < x->size(); ++i) {
+        if (c.dtype == kFloat) {
+          std::memcpy(bytes->data() + 4 * i, &(*x)[i], 4);
+        } else {
+          const uint16_t h = to_storage((*x)[i], c.dtype);
+          std::memcpy(bytes->data() + 2 * i, &h, 2);
+          (*x)[i] = from_storage(h, c.dtype);
+        }
+      }
   }
 
   // out [hq][T][d] of the step of rows [pos, pos + T)
@@ -51,8 +92,7 @@ struct Layer {
     TensorImpl::StridesType strides[4] = {static_cast<int>(c.hq * T * c.d), static_cast<int>(T * c.d),
                                           static_cast<int>(c.d), 1};
     TensorImpl qi(ScalarType::Float, 4, sizes, qs.data(), order, strides);
-    const SlotView view{reinterpret_cast<uint8_t*>(k.data()), reinterpret_cast<uint8_t*>(v.data()), c.hkv, c.d,
-                        c.d, kFloat, c.window};
+    const SlotView view{kbytes.data(), vbytes.data(), c.hkv, c.d, c.d, c.dtype, c.window};
     attend(view, plan_step(0, pos, T, c.window, 0), Tensor(&qi), 1.f / std::sqrt(float(c.d)), out.data(), kFloat);
     return out;
   }
@@ -130,9 +170,12 @@ void run_case(const Case& c) {
 int main() {
   executorch::runtime::runtime_init();
   // GQA groups of 3 and 4 (SmolLM2's and gemma3's), full and banded attention; 300 positions: a decode step splits
-  // its keys in three
+  // its keys in three. K/V stored as fp32, fp16 and bf16 (read in their type, converted in registers); head dims
+  // of 16, 64, 256 and 40 (not a whole number of vectors: the last lanes under a mask or in the scalar tail).
   for (const Case& c : {Case{"gqa3 full", 9, 3, 64, 300, 0}, Case{"gqa4 window 37", 4, 1, 256, 300, 37},
-                        Case{"mha full", 2, 2, 16, 300, 0}})
+                        Case{"mha full", 2, 2, 16, 300, 0}, Case{"gqa3 fp16", 9, 3, 64, 300, 0, kHalf},
+                        Case{"gqa4 window 37 bf16", 4, 1, 256, 300, 37, kBFloat16},
+                        Case{"gqa2 d40 fp16", 4, 2, 40, 300, 0, kHalf}, Case{"gqa2 d40", 4, 2, 40, 300, 0}})
     run_case(c);
   return failures ? 1 : 0;
 }

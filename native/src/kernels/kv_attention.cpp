@@ -114,40 +114,32 @@ constexpr int kMaxSplits = 64;  // key splits of one query row (attend_segments)
 constexpr int64_t kSplitKeys = 128;
 constexpr int64_t kSplitRows = 4;  // query rows up to which a segment splits its keys
 
-// sc[h * kBlock + j] = q_h . k[j] for the group's heads and four keys, a few heads per pass
-void scores(const float* qs, int64_t group, int64_t D, const float* const* k, float* sc) {
+// sc[h * kBlock + j] = q_h . k[j] for the group's heads and four keys (rows of storage type R), a few heads per pass
+template <class R = simd::F32Rows>
+void scores(const float* qs, int64_t group, int64_t D, const typename R::E* const* k, float* sc) {
   int64_t h = 0;
-  for (; h + 3 <= group; h += 3) simd::dot4_heads<3>(qs + h * D, D, k, sc + h * kBlock, kBlock);
-  if (group - h == 2) simd::dot4_heads<2>(qs + h * D, D, k, sc + h * kBlock, kBlock);
-  if (group - h == 1) simd::dot4_heads<1>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+  for (; h + 3 <= group; h += 3) simd::dot4_heads<3, R>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+  if (group - h == 2) simd::dot4_heads<2, R>(qs + h * D, D, k, sc + h * kBlock, kBlock);
+  if (group - h == 1) simd::dot4_heads<1, R>(qs + h * D, D, k, sc + h * kBlock, kBlock);
 }
 
 // acc[h][:] += sum_j w[h][j] v[j] for the group's heads over nb rows, a few heads per pass
-void weighted_sum(float* acc, int64_t Dv, const float* w, int64_t group, const float* const* v, int64_t nb) {
+template <class R = simd::F32Rows>
+void weighted_sum(float* acc, int64_t Dv, const float* w, int64_t group, const typename R::E* const* v, int64_t nb) {
   int64_t h = 0;
-  for (; h + 4 <= group; h += 4) simd::accumulate_rows_heads<4, 2>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 3) simd::accumulate_rows_heads<3, 2>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 2) simd::accumulate_rows_heads<2, 4>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 1) simd::accumulate_rows_heads<1, 4>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-}
-
-// Reads a byte of every cache line of the rows of `n` slots (all KV heads), into the core's caches. A decode
-// step's attention reads each row once, a block at a time between its softmax steps, and the rows then arrive
-// a miss at a time; a plain pass over them first keeps many loads in flight (SmolLM2 at depth 447: the attention
-// of a token 1.8x faster; prefetch instructions gained less). A row group (prefill) reads its keys once per row,
-// from the caches after the first. The sum only keeps the loads.
-void warm(const SlotView& s, const int64_t* slots, int64_t n, float* sink) {
-  const int es = element_size(s.dtype);
-  const int64_t kbytes = s.head_dim * es, vbytes = s.v_dim * es;
-  uint32_t t = 0;  // an integer sum: a float one made a 4-cycle chain of every line (12 % of a step in cache)
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-      const uint8_t* kr = s.k + (slots[j] * s.slot_stride(s.head_dim) + kh * s.head_stride(s.head_dim)) * es;
-      const uint8_t* vr = s.v + (slots[j] * s.slot_stride(s.v_dim) + kh * s.head_stride(s.v_dim)) * es;
-      for (int64_t o = 0; o < kbytes; o += 64) t += kr[o];
-      for (int64_t o = 0; o < vbytes; o += 64) t += vr[o];
-    }
-  *sink = static_cast<float>(t);
+#ifdef LLMPIPE_AVX512  // 32 registers: up to 4 heads x 64 columns of accumulators a pass
+  for (; h + 4 <= group; h += 4)
+    simd::accumulate_rows_heads<4, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 3) simd::accumulate_rows_heads<3, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  return;
+#endif
+  for (; h + 4 <= group; h += 4)
+    simd::accumulate_rows_heads<4, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 3) simd::accumulate_rows_heads<3, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+  if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
 }
 
 // What one work unit leaves for its row: the running max and sum of its softmax and the unnormalized output,
@@ -158,29 +150,37 @@ struct Partial {
   float* acc;  // [Hq][Dv]
 };
 
+// Asks for the cache lines of `bytes` bytes at p, to be read soon.
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 3);
+}
+
 // The attention of query row i of segment g, every query head, over the visible keys of split `split` of
 // `splits` (an equal share of the visible range), online softmax in blocks of keys. A block is read slot by slot
-// for every KV head in turn (a decode step's rows warmed first); each K/V row is read (and converted from its
-// storage type) once for the query heads of its group.
+// for every KV head in turn; each K/V row is read in its storage type R, converted in registers, once for the
+// query heads of its group.
+//
+// A decode step reads each K/V row once, from memory: the rows are asked for a block ahead, a few while each
+// group of four keys is scored, so the loads overlap the arithmetic (SmolLM2 at depth 447, one thread: 1.2x
+// faster than reading the whole split first, which waits for the memory and then computes).
+template <class R>
 void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, int64_t i, int split, int splits,
                  Partial part, std::vector<float>& scratch) {
+  using E = typename R::E;
   const SlotView& s = g.view;
   const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), Hkv = s.kv_heads, group = Hq / Hkv;
   const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
-  const int es = element_size(s.dtype);
+  const int64_t kbytes = D * static_cast<int64_t>(sizeof(E)), vbytes = Dv * static_cast<int64_t>(sizeof(E));
   const int64_t qpos = g.pos + i;
   int64_t lo = g.base;  // visible logical keys [lo, qpos]
   if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
   const int64_t n = qpos - lo + 1, per = (n + splits - 1) / splits;
   const int64_t k0 = lo + std::min<int64_t>(n, per * split), k1 = lo + std::min<int64_t>(n, per * (split + 1));
-  // scratch: queries [Hq][D], scores [group][kBlock], K rows [kBlock][D], V rows [kBlock][Dv] (half storage
-  // converted; fp32 rows are read in place), warm's sum
-  scratch.resize(static_cast<size_t>(Hq * D + group * kBlock + kBlock * D + kBlock * Dv + 1));
+  // scratch: queries [Hq][D], scores [group][kBlock]
+  scratch.resize(static_cast<size_t>(Hq * D + group * kBlock));
   float* qs = scratch.data();
   float* sc = qs + Hq * D;
-  float* kbuf = sc + group * kBlock;
-  float* vbuf = kbuf + kBlock * D;
   const void* qd = q.const_data_ptr();
   const ScalarType qt = q.scalar_type();
   for (int64_t h = 0; h < Hq; ++h) {
@@ -195,33 +195,38 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
     part.l[h] = 0.f;
   }
   std::fill(part.acc, part.acc + Hq * Dv, 0.f);
-  const float* krows[kBlock];
-  const float* vrows[kBlock];
-  if (g.T <= kSplitRows) warm(s, g.read + (k0 - g.base), k1 - k0, &scratch.back());
+  const E* kbase = reinterpret_cast<const E*>(s.k);
+  const E* vbase = reinterpret_cast<const E*>(s.v);
+  const int64_t* slots = g.read - g.base;  // slots[key]: the key's physical slot
+  auto krow = [&](int64_t key, int64_t kh) { return kbase + slots[key] * kstride + kh * khead; };
+  auto vrow = [&](int64_t key, int64_t kh) { return vbase + slots[key] * vstride + kh * vhead; };
+  for (int64_t key = k0; key < std::min(k1, k0 + kBlock); ++key)  // the first block
+    for (int64_t kh = 0; kh < Hkv; ++kh) {
+      prefetch(krow(key, kh), kbytes);
+      prefetch(vrow(key, kh), vbytes);
+    }
+  const E* krows[kBlock];
+  const E* vrows[kBlock];
   for (int64_t b0 = k0; b0 < k1; b0 += kBlock) {
-    const int64_t nb = std::min(kBlock, k1 - b0);
+    const int64_t nb = std::min(kBlock, k1 - b0), next = b0 + kBlock;
+    const int64_t n_next = std::clamp<int64_t>(k1 - next, 0, kBlock);  // keys of the next block
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       const int64_t h0 = kh * group;  // the group's first query head
-      if (s.dtype == kFloat) {  // rows read in place: no per-row dispatch on the storage type
-        const float* kf = reinterpret_cast<const float*>(s.k) + kh * khead;
-        const float* vf = reinterpret_cast<const float*>(s.v) + kh * vhead;
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t slot = g.read[b0 + j - g.base];
-          krows[j] = kf + slot * kstride;
-          vrows[j] = vf + slot * vstride;
-        }
-      } else {
-        for (int64_t j = 0; j < nb; ++j) {
-          const int64_t slot = g.read[b0 + j - g.base];
-          krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
-          vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
-        }
+      for (int64_t j = 0; j < nb; ++j) {
+        krows[j] = krow(b0 + j, kh);
+        vrows[j] = vrow(b0 + j, kh);
       }
       const float* qg = qs + h0 * D;
       int64_t j = 0;
-      for (; j + 4 <= nb; j += 4) scores(qg, group, D, krows + j, sc + j);
+      for (; j + 4 <= nb; j += 4) {
+        for (int64_t t = j; t < std::min(j + 4, n_next); ++t) {
+          prefetch(krow(next + t, kh), kbytes);
+          prefetch(vrow(next + t, kh), vbytes);
+        }
+        scores<R>(qg, group, D, krows + j, sc + j);
+      }
       for (; j < nb; ++j)
-        for (int64_t h = 0; h < group; ++h) sc[h * kBlock + j] = simd::dot(qg + h * D, krows[j], D);
+        for (int64_t h = 0; h < group; ++h) sc[h * kBlock + j] = simd::dot<R>(qg + h * D, krows[j], D);
       for (int64_t h = 0; h < group; ++h) {
         float* sh = sc + h * kBlock;
         float& m = part.m[h0 + h];
@@ -231,7 +236,7 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
         m = mx;
         if (corr != 1.f) simd::scale_row(part.acc + (h0 + h) * Dv, Dv, corr);
       }
-      weighted_sum(part.acc + h0 * Dv, Dv, sc, group, vrows, nb);
+      weighted_sum<R>(part.acc + h0 * Dv, Dv, sc, group, vrows, nb);
     }
   }
 }
@@ -477,7 +482,11 @@ void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, v
       const int sp = static_cast<int>(local_u % splits[g]);
       float* base = splits[g] > 1 ? partials.data() + u * stride : local.data();
       const Partial part{base, base + Hq, base + 2 * Hq};
-      attend_unit(s, q, Ttot, scale, i, sp, splits[g], part, scratch);
+      switch (s.view.dtype) {
+        case kFloat: attend_unit<simd::F32Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
+        case kHalf: attend_unit<simd::F16Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
+        default: attend_unit<simd::BF16Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
+      }
       if (splits[g] == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);
     }
   };

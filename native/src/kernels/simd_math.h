@@ -10,9 +10,23 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMPIPE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LLMPIPE_AVX512 1  // the dots and weighted sums in 16 lanes, tails under masks
+#endif
+#endif
+
+// The ISA is part of every name here: a file built without these flags that includes this header gets its own
+// copies, never the linker's pick of another file's (an inline function is one symbol across files).
+#if defined(LLMPIPE_AVX512)
+#define LLMPIPE_SIMD_ISA isa_avx512
+#elif defined(LLMPIPE_AVX2)
+#define LLMPIPE_SIMD_ISA isa_avx2
+#else
+#define LLMPIPE_SIMD_ISA isa_scalar
 #endif
 
 namespace llmrt::kv::simd {
+inline namespace LLMPIPE_SIMD_ISA {
 
 #ifdef LLMPIPE_AVX2
 inline float hsum(__m256 v) {
@@ -22,20 +36,91 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// How the elements of a K/V row load as fp32, by storage type: one at a time, and (AVX2) eight at a time. The
+// loops below take rows of any of them and convert in registers, so a half row is never copied to fp32 first
+// (the same values: the conversions are exact).
+struct F32Rows {
+  using E = float;
+  static float one(float x) { return x; }
+#ifdef LLMPIPE_AVX2
+  static __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+#ifdef LLMPIPE_AVX512
+  static __m512 sixteen(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+#endif
+};
+inline float half_to_float(uint16_t h);
+struct F16Rows {
+  using E = uint16_t;
+  static float one(uint16_t x) { return half_to_float(x); }
+#if defined(LLMPIPE_AVX2) && defined(__F16C__)
+  static __m256 eight(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#elif defined(LLMPIPE_AVX2)
+  static __m256 eight(const uint16_t* p) {
+    alignas(32) float f[8];
+    for (int i = 0; i < 8; ++i) f[i] = half_to_float(p[i]);
+    return _mm256_load_ps(f);
+  }
+#endif
+#if defined(LLMPIPE_AVX512) && defined(__F16C__)
+  static __m512 sixteen(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+#endif
+};
+struct BF16Rows {
+  using E = uint16_t;
+  static float one(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+#ifdef LLMPIPE_AVX2
+  static __m256 eight(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+#endif
+#ifdef LLMPIPE_AVX512
+  static __m512 sixteen(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+  }
+#endif
+};
+
+#ifdef LLMPIPE_AVX512
+// the lanes of columns [d, d + 16) that lie below n
+inline __mmask16 lanes_below(int64_t d, int64_t n) {
+  return n - d >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - d)) - 1);
+}
+// the low and high eight lanes added: 16 lanes to 8, then the AVX2 reductions
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, 0xee)));
+}
+#endif
+
 // sum_d a[d] * b[d]
-inline float dot(const float* a, const float* b, int64_t n) {
+template <class R = F32Rows>
+inline float dot(const float* a, const typename R::E* b, int64_t n) {
+#ifdef LLMPIPE_AVX512
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 m = lanes_below(d, n);
+    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), R::sixteen(b + d, m), s);
+  }
+  return hsum(fold(s));
+#endif
   int64_t d = 0;
   float tail = 0.f;
 #ifdef LLMPIPE_AVX2
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   for (; d + 16 <= n; d += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), R::eight(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), R::eight(b + d + 8), s1);
   }
-  for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  for (; d + 8 <= n; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), R::eight(b + d), s0);
   tail = hsum(_mm256_add_ps(s0, s1));
 #endif
-  for (; d < n; ++d) tail += a[d] * b[d];
+  for (; d < n; ++d) tail += a[d] * R::one(b[d]);
   return tail;
 }
 
@@ -70,7 +155,8 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
 
 // acc[d] += sum_j w[j] * rows[j][d], the accumulators held in registers across the rows (32 columns at a time)
 // (off: the rows' first column, for a caller that did the columns before it)
-inline void accumulate_rows(float* acc, const float* w, const float* const* rows, int64_t nrows, int64_t n,
+template <class R = F32Rows>
+inline void accumulate_rows(float* acc, const float* w, const typename R::E* const* rows, int64_t nrows, int64_t n,
                             int64_t off = 0) {
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
@@ -79,11 +165,11 @@ inline void accumulate_rows(float* acc, const float* w, const float* const* rows
            a3 = _mm256_loadu_ps(acc + d + 24);
     for (int64_t j = 0; j < nrows; ++j) {
       const __m256 wj = _mm256_set1_ps(w[j]);
-      const float* r = rows[j] + off + d;
-      a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), a0);
-      a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), a1);
-      a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), a2);
-      a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 24), a3);
+      const typename R::E* r = rows[j] + off + d;
+      a0 = _mm256_fmadd_ps(wj, R::eight(r), a0);
+      a1 = _mm256_fmadd_ps(wj, R::eight(r + 8), a1);
+      a2 = _mm256_fmadd_ps(wj, R::eight(r + 16), a2);
+      a3 = _mm256_fmadd_ps(wj, R::eight(r + 24), a3);
     }
     _mm256_storeu_ps(acc + d, a0);
     _mm256_storeu_ps(acc + d + 8, a1);
@@ -92,13 +178,13 @@ inline void accumulate_rows(float* acc, const float* w, const float* const* rows
   }
   for (; d + 8 <= n; d += 8) {
     __m256 a = _mm256_loadu_ps(acc + d);
-    for (int64_t j = 0; j < nrows; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(rows[j] + off + d), a);
+    for (int64_t j = 0; j < nrows; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), R::eight(rows[j] + off + d), a);
     _mm256_storeu_ps(acc + d, a);
   }
 #endif
   for (; d < n; ++d) {
     float a = acc[d];
-    for (int64_t j = 0; j < nrows; ++j) a += w[j] * rows[j][off + d];
+    for (int64_t j = 0; j < nrows; ++j) a += w[j] * R::one(rows[j][off + d]);
     acc[d] = a;
   }
 }
@@ -109,16 +195,37 @@ inline void accumulate_rows(float* acc, const float* w, const float* const* rows
 // the same way: the bits of calling those once per head.
 
 // sc[h * ld + j] = sum_d q[h * D + d] * k[j][d], h < HB, j < 4
-template <int HB>
-inline void dot4_heads(const float* q, int64_t D, const float* const* k, float* sc, int64_t ld) {
-#ifdef LLMPIPE_AVX2
+template <int HB, class R = F32Rows>
+inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k, float* sc, int64_t ld) {
+#if defined(LLMPIPE_AVX512)
+  __m512 a[HB][4];
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < 4; ++j) a[h][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __mmask16 m = lanes_below(d, D);
+    const __m512 k0 = R::sixteen(k[0] + d, m), k1 = R::sixteen(k[1] + d, m), k2 = R::sixteen(k[2] + d, m),
+                 k3 = R::sixteen(k[3] + d, m);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, q + h * D + d);
+      a[h][0] = _mm512_fmadd_ps(x, k0, a[h][0]);
+      a[h][1] = _mm512_fmadd_ps(x, k1, a[h][1]);
+      a[h][2] = _mm512_fmadd_ps(x, k2, a[h][2]);
+      a[h][3] = _mm512_fmadd_ps(x, k3, a[h][3]);
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[h][0]), fold(a[h][1])),
+                                    _mm256_hadd_ps(fold(a[h][2]), fold(a[h][3])));
+    _mm_storeu_ps(sc + h * ld, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+  }
+#elif defined(LLMPIPE_AVX2)
   __m256 a[HB][4];
   for (int h = 0; h < HB; ++h)
     for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d),
-                 k3 = _mm256_loadu_ps(k[3] + d);
+    const __m256 k0 = R::eight(k[0] + d), k1 = R::eight(k[1] + d), k2 = R::eight(k[2] + d),
+                 k3 = R::eight(k[3] + d);
     for (int h = 0; h < HB; ++h) {
       const __m256 x = _mm256_loadu_ps(q + h * D + d);
       a[h][0] = _mm256_fmadd_ps(x, k0, a[h][0]);
@@ -135,19 +242,44 @@ inline void dot4_heads(const float* q, int64_t D, const float* const* k, float* 
     const float* qh = q + h * D;
     for (int j = 0; j < 4; ++j) {
       float x = r[j];
-      for (int64_t e = d; e < D; ++e) x += qh[e] * k[j][e];
+      for (int64_t e = d; e < D; ++e) x += qh[e] * R::one(k[j][e]);
       sc[h * ld + j] = x;
     }
   }
 #else
-  for (int h = 0; h < HB; ++h) dot4(q + h * D, k, D, sc + h * ld);
+  for (int h = 0; h < HB; ++h)
+    for (int j = 0; j < 4; ++j) {
+      float x = 0.f;
+      for (int64_t e = 0; e < D; ++e) x += q[h * D + e] * R::one(k[j][e]);
+      sc[h * ld + j] = x;
+    }
 #endif
 }
 
 // acc[h * lda + d] += sum_j w[h * ldw + j] * rows[j][d], h < HB: C chunks of 8 columns at a time
-template <int HB, int C>
-inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64_t ldw, const float* const* rows,
-                                  int64_t nrows, int64_t n) {
+template <int HB, int C, class R = F32Rows>
+inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64_t ldw,
+                                  const typename R::E* const* rows, int64_t nrows, int64_t n) {
+#ifdef LLMPIPE_AVX512
+  for (int64_t d = 0; d < n; d += 16 * C) {
+    __mmask16 m[C];
+    for (int c = 0; c < C; ++c) m[c] = d + 16 * c < n ? lanes_below(d + 16 * c, n) : 0;
+    __m512 a[HB][C];
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) a[h][c] = _mm512_maskz_loadu_ps(m[c], acc + h * lda + d + 16 * c);
+    for (int64_t j = 0; j < nrows; ++j) {
+      __m512 r[C];
+      for (int c = 0; c < C; ++c) r[c] = R::sixteen(rows[j] + d + 16 * c, m[c]);
+      for (int h = 0; h < HB; ++h) {
+        const __m512 wj = _mm512_set1_ps(w[h * ldw + j]);
+        for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(wj, r[c], a[h][c]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(acc + h * lda + d + 16 * c, m[c], a[h][c]);
+  }
+  return;
+#endif
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
   for (; d + 8 * C <= n; d += 8 * C) {
@@ -156,7 +288,7 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
       for (int c = 0; c < C; ++c) a[h][c] = _mm256_loadu_ps(acc + h * lda + d + 8 * c);
     for (int64_t j = 0; j < nrows; ++j) {
       __m256 r[C];
-      for (int c = 0; c < C; ++c) r[c] = _mm256_loadu_ps(rows[j] + d + 8 * c);
+      for (int c = 0; c < C; ++c) r[c] = R::eight(rows[j] + d + 8 * c);
       for (int h = 0; h < HB; ++h) {
         const __m256 wj = _mm256_set1_ps(w[h * ldw + j]);
         for (int c = 0; c < C; ++c) a[h][c] = _mm256_fmadd_ps(wj, r[c], a[h][c]);
@@ -167,7 +299,7 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
   }
 #endif
   if (d < n)
-    for (int h = 0; h < HB; ++h) accumulate_rows(acc + h * lda + d, w + h * ldw, rows, nrows, n - d, d);
+    for (int h = 0; h < HB; ++h) accumulate_rows<R>(acc + h * lda + d, w + h * ldw, rows, nrows, n - d, d);
 }
 
 inline float half_to_float(uint16_t h) {
@@ -284,4 +416,5 @@ inline float exp_sub_sum(float* x, int64_t n, float m) {
   return sum;
 }
 
+}  // inline namespace
 }  // namespace llmrt::kv::simd
