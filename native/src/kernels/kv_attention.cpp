@@ -133,13 +133,13 @@ void weighted_sum(float* acc, int64_t Dv, const float* w, int64_t group, const t
   if (group - h == 3) simd::accumulate_rows_heads<3, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  return;
-#endif
+#else
   for (; h + 4 <= group; h += 4)
     simd::accumulate_rows_heads<4, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 3) simd::accumulate_rows_heads<3, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
+#endif
 }
 
 // What one work unit leaves for its row: the running max and sum of its softmax and the unnormalized output,
@@ -197,9 +197,9 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   std::fill(part.acc, part.acc + Hq * Dv, 0.f);
   const E* kbase = reinterpret_cast<const E*>(s.k);
   const E* vbase = reinterpret_cast<const E*>(s.v);
-  const int64_t* slots = g.read - g.base;  // slots[key]: the key's physical slot
-  auto krow = [&](int64_t key, int64_t kh) { return kbase + slots[key] * kstride + kh * khead; };
-  auto vrow = [&](int64_t key, int64_t kh) { return vbase + slots[key] * vstride + kh * vhead; };
+  const int64_t* slots = g.read;  // slots[key - base]: the key's physical slot
+  auto krow = [&](int64_t key, int64_t kh) { return kbase + slots[key - g.base] * kstride + kh * khead; };
+  auto vrow = [&](int64_t key, int64_t kh) { return vbase + slots[key - g.base] * vstride + kh * vhead; };
   for (int64_t key = k0; key < std::min(k1, k0 + kBlock); ++key)  // the first block
     for (int64_t kh = 0; kh < Hkv; ++kh) {
       prefetch(krow(key, kh), kbytes);

@@ -1,5 +1,6 @@
 // The attention core's inner loops over a head dimension or a block of scores: dots (one row, four rows), the
-// weighted sum of a block of rows, row conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C where the build enables them
+// weighted sum of a block of rows, row conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C
+// where the build enables them, the dots and weighted sums in 16 lanes where it also enables AVX-512 F/BW/VL
 // (native/CMakeLists.txt compiles kv_attention.cpp for the building machine), scalar otherwise.
 #pragma once
 
@@ -96,6 +97,17 @@ inline __mmask16 lanes_below(int64_t d, int64_t n) {
 inline __m256 fold(__m512 v) {
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, 0xee)));
 }
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: interleave and add (pairs of lanes, then pairs of pairs) so each 128-bit
+// lane holds a partial sum of all four, then add the four 128-bit lanes: 8 shuffles for the four, where folding each
+// and adding horizontally takes 11 (the shuffle port bounds a short dot)
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))));
+  const __m256 d = fold(c);
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
 #endif
 
 // sum_d a[d] * b[d]
@@ -108,7 +120,7 @@ inline float dot(const float* a, const typename R::E* b, int64_t n) {
     s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), R::sixteen(b + d, m), s);
   }
   return hsum(fold(s));
-#endif
+#else
   int64_t d = 0;
   float tail = 0.f;
 #ifdef LLMPIPE_AVX2
@@ -122,6 +134,7 @@ inline float dot(const float* a, const typename R::E* b, int64_t n) {
 #endif
   for (; d < n; ++d) tail += a[d] * R::one(b[d]);
   return tail;
+#endif
 }
 
 // out[j] = sum_d q[d] * k[j][d] for four rows k[0..3]: one pass over q, one reduction for the four
@@ -213,11 +226,7 @@ inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k,
       a[h][3] = _mm512_fmadd_ps(x, k3, a[h][3]);
     }
   }
-  for (int h = 0; h < HB; ++h) {
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[h][0]), fold(a[h][1])),
-                                    _mm256_hadd_ps(fold(a[h][2]), fold(a[h][3])));
-    _mm_storeu_ps(sc + h * ld, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-  }
+  for (int h = 0; h < HB; ++h) _mm_storeu_ps(sc + h * ld, sum4(a[h][0], a[h][1], a[h][2], a[h][3]));
 #elif defined(LLMPIPE_AVX2)
   __m256 a[HB][4];
   for (int h = 0; h < HB; ++h)
@@ -278,8 +287,7 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
     for (int h = 0; h < HB; ++h)
       for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(acc + h * lda + d + 16 * c, m[c], a[h][c]);
   }
-  return;
-#endif
+#else
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
   for (; d + 8 * C <= n; d += 8 * C) {
@@ -300,6 +308,7 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
 #endif
   if (d < n)
     for (int h = 0; h < HB; ++h) accumulate_rows<R>(acc + h * lda + d, w + h * ldw, rows, nrows, n - d, d);
+#endif
 }
 
 inline float half_to_float(uint16_t h) {
