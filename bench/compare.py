@@ -14,12 +14,14 @@ Scenarios, llama-bench style, every engine given the same token ids and decoding
   up to those 64 (the deepest decode the program allows: SmolLM2 ~450-512 positions, gemma3 ~960-1024);
   deep/d16 is how much decode speed survives depth.
 Engines, each run in its own process (so peak RSS is its own), alternating within each round:
-- ours: llm_runner on the model's best recipe (built through the stage cache),
+- ours: llm_runner on the model's best recipe (built through the stage cache; BEST),
+- ours-matched: llm_runner on the fastest build whose KLD against the float model is at most Q4_0's (MATCHED):
+  the same speed question at no worse fidelity,
 - llama.cpp: llama-cpp-python on the GGUF file the model came from,
 - llama.cpp-q4_0: the same GGUF requantized to Q4_0 (llama_model_quantize, requantize allowed; cached in
   outputs/bench/gguf/),
 - eager: HF transformers on the dequantized model (fp32, HF's own cache; off by default, slow).
-Prints medians per scenario and the ratios ours / llama.cpp-q4_0 (and / llama.cpp); writes
+Prints medians per scenario and the ratios of each of ours to llama.cpp-q4_0 (and to llama.cpp); writes
 outputs/bench/latest.json, whose `ratios` are against llama.cpp's fastest format.
 """
 from __future__ import annotations
@@ -37,12 +39,20 @@ from pathlib import Path
 from common import ROOT, build, gguf_file  # noqa: E402  (bench/ is the script's folder)
 
 # the best recipe per model (smallest and fastest that still verifies)
-BEST = {"smollm2": ["recipe=smollm2_custom"], "gemma3": ["recipe=gemma3_offgraph_8da4w"]}
+BEST = {"smollm2": ["recipe=smollm2_custom_fp16kv"], "gemma3": ["recipe=gemma3_offgraph_8da4w"]}
+# the fastest build whose KLD against the float model is at most the anchor's (bench/fidelity.py, README Fidelity):
+# smoothed 8da4w linears with an 8-bit embedding; the lm_head 8-bit (SmolLM2: 0.185 vs Q4_0's 0.249; at 4 bits it
+# is 0.323) or 8da4w in groups of 32 (gemma3: 0.344 vs 0.423). BEST's 4-bit embedding = lm_head sits further away
+# (0.52, 0.57): llama.cpp's Q4_0 keeps the tied embedding at 6 bits (Q6_K).
+MATCHED = {"smollm2": ["recipe=smollm2_custom_fp16kv", "quantize=8da4w_mixed", "quantize.overrides=[]"],
+           "gemma3": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed", "quantize.overrides=[]",
+                      "quantize.lm_head=8da4w", "quantize.lm_head_group_size=32"]}
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "
         "cheaper to produce and easier to share. Within a few decades, printers across Europe were "
         "publishing bibles, grammars, calendars and pamphlets, and the number of readers grew with them. ")
-ENGINES = ("ours", "llama.cpp", "llama.cpp-q4_0", "eager")
-DEFAULT_ENGINES = ("ours", "llama.cpp", "llama.cpp-q4_0")
+ENGINES = ("ours", "ours-matched", "llama.cpp", "llama.cpp-q4_0", "eager")
+DEFAULT_ENGINES = ("ours", "ours-matched", "llama.cpp", "llama.cpp-q4_0")
+OURS = {"ours": BEST, "ours-matched": MATCHED}  # engine -> its builds
 ANCHOR = "llama.cpp-q4_0"
 Q4_0 = 2  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
 DECODE = 64  # tokens decoded in the depth scenarios
@@ -205,7 +215,8 @@ def main() -> None:
     thread_counts = [int(t) for t in a.threads.split(",")]
     latest = {"threads": thread_counts, "rounds": a.rounds, "anchor": ANCHOR, "models": {}}
     for model in a.models.split(","):
-        m = build(BEST[model])
+        builds = {e: build(OURS[e][model]) for e in engines if e in OURS}
+        m = builds.get("ours") or build(BEST[model])
         context = m["config"]["export"]["max_context_len"]
         plan = scenarios(context)
         longest = prompt_ids(m, max(p for p, _ in plan.values()))
@@ -218,7 +229,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {e: [] for e in engines}
             for r in range(a.rounds):
                 for e in engines:
-                    runs[e].append(run_ours(m, jobs, threads) if e == "ours" else
+                    runs[e].append(run_ours(builds[e], jobs, threads) if e in OURS else
                                    run_worker("eager" if e == "eager" else "llama.cpp", sources[e], jobs, threads))
                 print(f"[{model}] {threads} thread(s), round {r + 1}/{a.rounds}", flush=True)
             for e, rs in runs.items():
@@ -231,15 +242,18 @@ def main() -> None:
                 rows[f"{e} t{threads}"] = row
         ratios = {}
         for threads in thread_counts:
-            for other in (e for e in engines if e != "ours"):
-                ours, them = rows.get(f"ours t{threads}"), rows[f"{other} t{threads}"]
-                if ours:
-                    ratios[f"ours/{other} t{threads}"] = {k: ours[k] / them[k] for k in plan if ours[k] and them[k]}
+            for e in (e for e in engines if e in OURS):
+                for other in (o for o in engines if o not in OURS):
+                    ours, them = rows[f"{e} t{threads}"], rows[f"{other} t{threads}"]
+                    ratios[f"{e}/{other} t{threads}"] = {k: ours[k] / them[k] for k in plan if ours[k] and them[k]}
         latest["models"][model] = {"recipe": m["recipe"], "pte": m["pte"], "context": context,
+                                   "builds": {e: {"overrides": OURS[e][model], "pte": b["pte"]}
+                                              for e, b in builds.items()},
                                    "scenarios": {k: {"prompt": p, "new": n} for k, (p, n) in plan.items()},
                                    "gguf": sources, "engines": rows, "ratios": ratios}
         names = list(plan)
-        print(f"\n{model} ({' '.join(BEST[model])}, context {context}; GGUF {Path(sources['llama.cpp']).name}): "
+        print(f"\n{model} (" + "; ".join(f"{e}: {' '.join(OURS[e][model])}" for e in builds) +
+              f", context {context}; GGUF {Path(sources['llama.cpp']).name}): "
               f"tok/s, medians of {a.rounds} alternating rounds; {', '.join(f'{k} = {p} + {n}' for k, (p, n) in plan.items())}")
         print(f"  {'engine':<22}" + "".join(f"{n:>9}" for n in names) + f"{'deep/d16':>9}{'TTFT ms':>9}{'RSS MiB':>9}")
         for name, row in rows.items():

@@ -31,10 +31,14 @@ HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quant
              "quantize.lm_head=8da8w"]
 # 4-bit linears after smoothing, the embedding 8-bit per row and re-tied as the lm_head
 SMOOTH_4BIT = ["quantize=8da4w_mixed", "quantize.overrides=[]"]
+# the lm_head alone at 4 bits in groups of 32 (its own copy; the embedding stays 8-bit): a decoded token reads the
+# head whole and the embedding one row, so the head's bits are the ones that cost speed
+HEAD_4BIT = ["quantize.lm_head=8da4w", "quantize.lm_head_group_size=32"]
 BUILDS = {
     "smollm2": {
         "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
+        "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT, *HEAD_4BIT],
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
         "8da4w, 4w embedding (smollm2_custom)": ["recipe=smollm2_custom"],
         "8da4w, 4w embedding, fp16 K/V (cache.kv_dtype=fp16)": ["recipe=smollm2_custom", "cache.kv_dtype=fp16"],
@@ -56,6 +60,8 @@ BUILDS = {
         "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": [
             "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
+        "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT,
+                                                              *HEAD_4BIT],
         "8da4w, 4w embedding (gemma3_offgraph_8da4w)": ["recipe=gemma3_offgraph_8da4w"],
         "8w hqq weight-only per channel, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", "quantize=8w",
                                                                       "quantize.algorithm=hqq"],
