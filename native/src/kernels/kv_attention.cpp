@@ -127,19 +127,11 @@ void scores(const float* qs, int64_t group, int64_t D, const typename R::E* cons
 template <class R = simd::F32Rows>
 void weighted_sum(float* acc, int64_t Dv, const float* w, int64_t group, const typename R::E* const* v, int64_t nb) {
   int64_t h = 0;
-#ifdef LLMPIPE_AVX512  // 32 registers: up to 4 heads x 64 columns of accumulators a pass
-  for (; h + 4 <= group; h += 4)
-    simd::accumulate_rows_heads<4, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 3) simd::accumulate_rows_heads<3, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-  if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-#else
   for (; h + 4 <= group; h += 4)
     simd::accumulate_rows_heads<4, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 3) simd::accumulate_rows_heads<3, 2, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 2) simd::accumulate_rows_heads<2, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
   if (group - h == 1) simd::accumulate_rows_heads<1, 4, R>(acc + h * Dv, Dv, w + h * kBlock, kBlock, v, nb, Dv);
-#endif
 }
 
 // What one work unit leaves for its row: the running max and sum of its softmax and the unnormalized output,

@@ -1,7 +1,7 @@
 // The attention core's inner loops over a head dimension or a block of scores: dots (one row, four rows), the
 // weighted sum of a block of rows, row conversion from the storage type, and an in-place exp. AVX2 + FMA + F16C
-// where the build enables them, the dots and weighted sums in 16 lanes where it also enables AVX-512 F/BW/VL
-// (native/CMakeLists.txt compiles kv_attention.cpp for the building machine), scalar otherwise.
+// where the build enables them (native/CMakeLists.txt compiles kv_attention.cpp for the building machine), scalar
+// otherwise.
 #pragma once
 
 #include <cmath>
@@ -11,16 +11,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LLMPIPE_AVX2 1
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define LLMPIPE_AVX512 1  // the dots and weighted sums in 16 lanes, tails under masks
-#endif
 #endif
 
 // The ISA is part of every name here: a file built without these flags that includes this header gets its own
 // copies, never the linker's pick of another file's (an inline function is one symbol across files).
-#if defined(LLMPIPE_AVX512)
-#define LLMPIPE_SIMD_ISA isa_avx512
-#elif defined(LLMPIPE_AVX2)
+#if defined(LLMPIPE_AVX2)
 #define LLMPIPE_SIMD_ISA isa_avx2
 #else
 #define LLMPIPE_SIMD_ISA isa_scalar
@@ -46,9 +41,6 @@ struct F32Rows {
 #ifdef LLMPIPE_AVX2
   static __m256 eight(const float* p) { return _mm256_loadu_ps(p); }
 #endif
-#ifdef LLMPIPE_AVX512
-  static __m512 sixteen(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-#endif
 };
 inline float half_to_float(uint16_t h);
 struct F16Rows {
@@ -62,9 +54,6 @@ struct F16Rows {
     for (int i = 0; i < 8; ++i) f[i] = half_to_float(p[i]);
     return _mm256_load_ps(f);
   }
-#endif
-#if defined(LLMPIPE_AVX512) && defined(__F16C__)
-  static __m512 sixteen(const uint16_t* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
 #endif
 };
 struct BF16Rows {
@@ -81,46 +70,11 @@ struct BF16Rows {
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
 #endif
-#ifdef LLMPIPE_AVX512
-  static __m512 sixteen(const uint16_t* p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-  }
-#endif
 };
-
-#ifdef LLMPIPE_AVX512
-// the lanes of columns [d, d + 16) that lie below n
-inline __mmask16 lanes_below(int64_t d, int64_t n) {
-  return n - d >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - d)) - 1);
-}
-// the low and high eight lanes added: 16 lanes to 8, then the AVX2 reductions
-inline __m256 fold(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_castps512_ps256(_mm512_shuffle_f32x4(v, v, 0xee)));
-}
-// [sum(a0), sum(a1), sum(a2), sum(a3)]: interleave and add (pairs of lanes, then pairs of pairs) so each 128-bit
-// lane holds a partial sum of all four, then add the four 128-bit lanes: 8 shuffles for the four, where folding each
-// and adding horizontally takes 11 (the shuffle port bounds a short dot)
-inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(b0), _mm512_castps_pd(b1))));
-  const __m256 d = fold(c);
-  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
-}
-#endif
 
 // sum_d a[d] * b[d]
 template <class R = F32Rows>
 inline float dot(const float* a, const typename R::E* b, int64_t n) {
-#ifdef LLMPIPE_AVX512
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t d = 0; d < n; d += 16) {
-    const __mmask16 m = lanes_below(d, n);
-    s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), R::sixteen(b + d, m), s);
-  }
-  return hsum(fold(s));
-#else
   int64_t d = 0;
   float tail = 0.f;
 #ifdef LLMPIPE_AVX2
@@ -134,7 +88,6 @@ inline float dot(const float* a, const typename R::E* b, int64_t n) {
 #endif
   for (; d < n; ++d) tail += a[d] * R::one(b[d]);
   return tail;
-#endif
 }
 
 // out[j] = sum_d q[d] * k[j][d] for four rows k[0..3]: one pass over q, one reduction for the four
@@ -210,24 +163,7 @@ inline void accumulate_rows(float* acc, const float* w, const typename R::E* con
 // sc[h * ld + j] = sum_d q[h * D + d] * k[j][d], h < HB, j < 4
 template <int HB, class R = F32Rows>
 inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k, float* sc, int64_t ld) {
-#if defined(LLMPIPE_AVX512)
-  __m512 a[HB][4];
-  for (int h = 0; h < HB; ++h)
-    for (int j = 0; j < 4; ++j) a[h][j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) {
-    const __mmask16 m = lanes_below(d, D);
-    const __m512 k0 = R::sixteen(k[0] + d, m), k1 = R::sixteen(k[1] + d, m), k2 = R::sixteen(k[2] + d, m),
-                 k3 = R::sixteen(k[3] + d, m);
-    for (int h = 0; h < HB; ++h) {
-      const __m512 x = _mm512_maskz_loadu_ps(m, q + h * D + d);
-      a[h][0] = _mm512_fmadd_ps(x, k0, a[h][0]);
-      a[h][1] = _mm512_fmadd_ps(x, k1, a[h][1]);
-      a[h][2] = _mm512_fmadd_ps(x, k2, a[h][2]);
-      a[h][3] = _mm512_fmadd_ps(x, k3, a[h][3]);
-    }
-  }
-  for (int h = 0; h < HB; ++h) _mm_storeu_ps(sc + h * ld, sum4(a[h][0], a[h][1], a[h][2], a[h][3]));
-#elif defined(LLMPIPE_AVX2)
+#ifdef LLMPIPE_AVX2
   __m256 a[HB][4];
   for (int h = 0; h < HB; ++h)
     for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
@@ -269,25 +205,6 @@ inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k,
 template <int HB, int C, class R = F32Rows>
 inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64_t ldw,
                                   const typename R::E* const* rows, int64_t nrows, int64_t n) {
-#ifdef LLMPIPE_AVX512
-  for (int64_t d = 0; d < n; d += 16 * C) {
-    __mmask16 m[C];
-    for (int c = 0; c < C; ++c) m[c] = d + 16 * c < n ? lanes_below(d + 16 * c, n) : 0;
-    __m512 a[HB][C];
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) a[h][c] = _mm512_maskz_loadu_ps(m[c], acc + h * lda + d + 16 * c);
-    for (int64_t j = 0; j < nrows; ++j) {
-      __m512 r[C];
-      for (int c = 0; c < C; ++c) r[c] = R::sixteen(rows[j] + d + 16 * c, m[c]);
-      for (int h = 0; h < HB; ++h) {
-        const __m512 wj = _mm512_set1_ps(w[h * ldw + j]);
-        for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(wj, r[c], a[h][c]);
-      }
-    }
-    for (int h = 0; h < HB; ++h)
-      for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(acc + h * lda + d + 16 * c, m[c], a[h][c]);
-  }
-#else
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
   for (; d + 8 * C <= n; d += 8 * C) {
@@ -308,7 +225,6 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
 #endif
   if (d < n)
     for (int h = 0; h < HB; ++h) accumulate_rows<R>(acc + h * lda + d, w + h * ldw, rows, nrows, n - d, d);
-#endif
 }
 
 inline float half_to_float(uint16_t h) {
