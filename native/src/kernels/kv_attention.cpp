@@ -101,8 +101,8 @@ inline void store_row(void* out, int code, int64_t o, const float* x, int64_t n)
 inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* buf) {
   switch (dtype) {
     case kFloat: return reinterpret_cast<const float*>(row);
-    case kHalf: simd::half_row(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
-    default: simd::bf16_row(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
+    case kHalf: simd::to_float_row<simd::F16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
+    default: simd::to_float_row<simd::BF16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
   }
 }
 
@@ -192,11 +192,12 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   const int64_t* slots = g.read;  // slots[key - base]: the key's physical slot
   auto krow = [&](int64_t key, int64_t kh) { return kbase + slots[key - g.base] * kstride + kh * khead; };
   auto vrow = [&](int64_t key, int64_t kh) { return vbase + slots[key - g.base] * vstride + kh * vhead; };
+  auto ask = [&](int64_t key, int64_t kh) {  // the key's K and V rows of KV head kh, to be read soon
+    prefetch(krow(key, kh), kbytes);
+    prefetch(vrow(key, kh), vbytes);
+  };
   for (int64_t key = k0; key < std::min(k1, k0 + kBlock); ++key)  // the first block
-    for (int64_t kh = 0; kh < Hkv; ++kh) {
-      prefetch(krow(key, kh), kbytes);
-      prefetch(vrow(key, kh), vbytes);
-    }
+    for (int64_t kh = 0; kh < Hkv; ++kh) ask(key, kh);
   const E* krows[kBlock];
   const E* vrows[kBlock];
   for (int64_t b0 = k0; b0 < k1; b0 += kBlock) {
@@ -211,10 +212,7 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
       const float* qg = qs + h0 * D;
       int64_t j = 0;
       for (; j + 4 <= nb; j += 4) {
-        for (int64_t t = j; t < std::min(j + 4, n_next); ++t) {
-          prefetch(krow(next + t, kh), kbytes);
-          prefetch(vrow(next + t, kh), vbytes);
-        }
+        for (int64_t t = j; t < std::min(j + 4, n_next); ++t) ask(next + t, kh);
         scores<R>(qg, group, D, krows + j, sc + j);
       }
       for (; j < nb; ++j)

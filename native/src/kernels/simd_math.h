@@ -91,17 +91,18 @@ inline float dot(const float* a, const typename R::E* b, int64_t n) {
 }
 
 // out[j] = sum_d q[d] * k[j][d] for four rows k[0..3]: one pass over q, one reduction for the four
-inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+template <class R = F32Rows>
+inline void dot4(const float* q, const typename R::E* const* k, int64_t n, float* out) {
   int64_t d = 0;
   float t0 = 0.f, t1 = 0.f, t2 = 0.f, t3 = 0.f;
 #ifdef LLMPIPE_AVX2
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
   for (; d + 8 <= n; d += 8) {
     const __m256 x = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + d), a0);
-    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + d), a1);
-    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + d), a2);
-    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + d), a3);
+    a0 = _mm256_fmadd_ps(x, R::eight(k[0] + d), a0);
+    a1 = _mm256_fmadd_ps(x, R::eight(k[1] + d), a1);
+    a2 = _mm256_fmadd_ps(x, R::eight(k[2] + d), a2);
+    a3 = _mm256_fmadd_ps(x, R::eight(k[3] + d), a3);
   }
   // [a0 a1 a2 a3] lane sums: two horizontal adds, then the 128-bit halves
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -111,10 +112,10 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
   t0 = r[0], t1 = r[1], t2 = r[2], t3 = r[3];
 #endif
   for (; d < n; ++d) {
-    t0 += q[d] * k[0][d];
-    t1 += q[d] * k[1][d];
-    t2 += q[d] * k[2][d];
-    t3 += q[d] * k[3][d];
+    t0 += q[d] * R::one(k[0][d]);
+    t1 += q[d] * R::one(k[1][d]);
+    t2 += q[d] * R::one(k[2][d]);
+    t3 += q[d] * R::one(k[3][d]);
   }
   out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
@@ -192,12 +193,7 @@ inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k,
     }
   }
 #else
-  for (int h = 0; h < HB; ++h)
-    for (int j = 0; j < 4; ++j) {
-      float x = 0.f;
-      for (int64_t e = 0; e < D; ++e) x += q[h * D + e] * R::one(k[j][e]);
-      sc[h * ld + j] = x;
-    }
+  for (int h = 0; h < HB; ++h) dot4<R>(q + h * D, k, D, sc + h * ld);
 #endif
 }
 
@@ -249,28 +245,14 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-// n fp16 values (IEEE half bits) to fp32
-inline void half_row(const uint16_t* x, float* y, int64_t n) {
-  int64_t d = 0;
-#if defined(LLMPIPE_AVX2) && defined(__F16C__)
-  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d))));
-#endif
-  for (; d < n; ++d) y[d] = half_to_float(x[d]);
-}
-
-// n bf16 values to fp32 (the upper half of an fp32)
-inline void bf16_row(const uint16_t* x, float* y, int64_t n) {
+// y[d] = x[d] as fp32, d < n, from a row of storage type R
+template <class R>
+inline void to_float_row(const typename R::E* x, float* y, int64_t n) {
   int64_t d = 0;
 #ifdef LLMPIPE_AVX2
-  for (; d + 8 <= n; d += 8) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
-    _mm256_storeu_ps(y + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-  }
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(y + d, R::eight(x + d));
 #endif
-  for (; d < n; ++d) {
-    const uint32_t bits = static_cast<uint32_t>(x[d]) << 16;
-    std::memcpy(y + d, &bits, 4);
-  }
+  for (; d < n; ++d) y[d] = R::one(x[d]);
 }
 
 #ifdef LLMPIPE_AVX2
