@@ -216,7 +216,7 @@ def main() -> None:
     latest = {"threads": thread_counts, "rounds": a.rounds, "anchor": ANCHOR, "models": {}}
     for model in a.models.split(","):
         builds = {e: build(OURS[e][model]) for e in engines if e in OURS}
-        m = builds.get("ours") or build(BEST[model])
+        m = next(iter(builds.values())) if builds else build(BEST[model])  # context, tokenizer, GGUF: any of ours
         context = m["config"]["export"]["max_context_len"]
         plan = scenarios(context)
         longest = prompt_ids(m, max(p for p, _ in plan.values()))
