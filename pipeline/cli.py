@@ -1,7 +1,11 @@
 """Hydra entry point: compose, validate, run the stages, print the summary."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
+import re
 import sys
 import warnings
 
@@ -107,8 +111,60 @@ def _record_job_failure(cfg: DictConfig, err: Exception) -> None:
                                  "recipe": HydraConfig.get().runtime.choices.get("recipe"), "stages": []})
 
 
+def composition_error(e: Exception) -> str:
+    """One line for a config Hydra refused while composing it, naming the override or option, and why."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options is not None:
+        group, _, name = e.missing_cfg_file.rpartition("/")
+        where = re.match(r"In '([^']+)'", str(e))
+        named_in = f" (named in {where.group(1)})" if where and where.group(1) not in ("config", "hydra/config") else ""
+        return f"{group}={name}: no such option{named_in} (allowed: {', '.join(e.options)})"
+    if isinstance(e, OverrideParseException):
+        return f"{e.override}: cannot parse the override: {str(e).splitlines()[0]}"
+    cause = e.__cause__ or e.__context__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    merged = re.match(r"Error merging override (.+)", lines[0]) if lines else None
+    unknown = re.search(r"To append to your config use \+(.+)", str(e))
+    override = (merged or unknown).group(1) if (merged or unknown) else None
+    if override and cause is not None:
+        why = str(cause).splitlines()[0]
+        schema = getattr(cause, "object_type", None)
+        if unknown and dataclasses.is_dataclass(schema):
+            why = f"unknown key (allowed here: {', '.join(sorted(f.name for f in dataclasses.fields(schema)))})"
+        return f"{override}: {why}"
+    if cause is not None and not any(str(cause).splitlines()[0] in ln for ln in lines):
+        lines.append(str(cause).splitlines()[0])
+    return " ".join(ln for ln in lines if not ln.startswith("See https://")) or type(e).__name__
+
+
+@contextlib.contextmanager
+def _config_errors_exit_2():
+    """Hydra composes the config inside its own `run_and_report`, which prints a refused override with Hydra's
+    advice and exits 1; a config refused there is a rejected config like any other: one line, exit 2."""
+    import hydra._internal.utils as hydra_utils
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+    stock = hydra_utils.run_and_report
+
+    def run_and_report(func):
+        def composing():
+            try:
+                return func()
+            except (ConfigCompositionException, OverrideParseException) as e:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                _refuse(composition_error(e), 2)
+        return stock(composing)
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = stock
+
+
 def main() -> None:
-    _hydra_main()
+    with _config_errors_exit_2():
+        _hydra_main()
     from pipeline.report.sweep import SweepReport
     if SweepReport.failed_jobs:  # a sweep with failed jobs still writes its report, then says so
         sys.exit(1)

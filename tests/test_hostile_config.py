@@ -34,6 +34,22 @@ def test_refused_before_a_run_directory_exists(override, key):
     assert not (ROOT / out).exists(), "a rejected config left a run directory behind"
 
 
+@pytest.mark.parametrize("override, named", [
+    ("quantize=nosuch", "quantize=nosuch: no such option (allowed: 4w, "),
+    ("export.max_context_len=abc", "export.max_context_len=abc: Value 'abc'"),
+    ("export.nosuch=1", "export.nosuch=1: unknown key (allowed here: "),
+])
+def test_refused_while_hydra_composes_it(override, named):
+    """Overrides Hydra itself refuses (no such option, a value of the wrong type, a key without +) exit 2 like any
+    rejected config, with one line naming the key, not Hydra's report and its exit 1."""
+    out = f"outputs/tests/hostile-{uuid.uuid4().hex[:8]}"
+    r = run_cli(TINY, override, "run.progress=false", f"run.output_dir={out}")
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.startswith(f"error: {named}"), r.stderr
+    assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr, r.stderr
+    assert not (ROOT / out).exists()
+
+
 @pytest.mark.parametrize("args", [
     ("run.output_dir=/tmp/llmpipe-hostile/out",),
     ("hydra.run.dir=/tmp/llmpipe-hostile/run",),
