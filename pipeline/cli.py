@@ -123,18 +123,27 @@ def composition_error(e: Exception) -> str:
         return f"{e.override}: cannot parse the override: {str(e).splitlines()[0]}"
     cause = e.__cause__ or e.__context__
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    merged = re.match(r"Error merging override (.+)", lines[0]) if lines else None
+    first = lines[0] if lines else ""
+    merged = re.match(r"Error merging override (.+)", first)
     unknown = re.search(r"To append to your config use \+(.+)", str(e))
-    override = (merged or unknown).group(1) if (merged or unknown) else None
-    if override and cause is not None:
-        why = str(cause).splitlines()[0]
-        schema = getattr(cause, "object_type", None)
-        if unknown and dataclasses.is_dataclass(schema):
-            why = f"unknown key (allowed here: {', '.join(sorted(f.name for f in dataclasses.fields(schema)))})"
-        return f"{override}: {why}"
-    if cause is not None and not any(str(cause).splitlines()[0] in ln for ln in lines):
-        lines.append(str(cause).splitlines()[0])
-    return " ".join(ln for ln in lines if not ln.startswith("See https://")) or type(e).__name__
+    composing = re.match(r"In '([^']+)': \w+ raised while composing config", first)
+    if cause is not None and (merged or unknown or composing):
+        where = (merged or unknown).group(1) if (merged or unknown) else composing.group(1)
+        return f"{where}: {_omegaconf_why(cause, where)}"
+    detail = ("full_key:", "reference_type=", "object_type=", "See https://")
+    return " ".join(ln for ln in lines if not ln.startswith(detail)) or type(e).__name__
+
+
+def _omegaconf_why(err: Exception, where: str) -> str:
+    """An OmegaConf error's first line; for a key the schema lacks, the keys it has (and the key, unless `where`
+    names it)."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+    schema = getattr(err, "object_type", None)
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) and dataclasses.is_dataclass(schema):
+        allowed = ", ".join(sorted(f.name for f in dataclasses.fields(schema)))
+        key = "" if err.full_key in where else f"{err.full_key}: "
+        return f"{key}unknown key (allowed here: {allowed})"
+    return str(err).splitlines()[0]
 
 
 @contextlib.contextmanager
