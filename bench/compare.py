@@ -40,7 +40,7 @@ from common import ROOT, build, gguf_file  # noqa: E402  (bench/ is the script's
 
 # the best recipe per model (smallest and fastest that still verifies)
 BEST = {"smollm2": ["recipe=smollm2_custom_fp16kv"], "gemma3": ["recipe=gemma3_offgraph_8da4w"]}
-# the fastest build whose KLD against the float model is at most the anchor's (bench/fidelity.py, README Fidelity):
+# the fastest build whose KLD against the float model is at most the anchor's (bench/fidelity.py, docs/fidelity.md):
 # smoothed 8da4w linears with an 8-bit embedding; the lm_head 8-bit (SmolLM2: 0.185 vs Q4_0's 0.249; at 4 bits it
 # is 0.323) or 8da4w in groups of 32 (gemma3: 0.344 vs 0.423). BEST's 4-bit embedding = lm_head sits further away
 # (0.52, 0.57): llama.cpp's Q4_0 keeps the tied embedding at 6 bits (Q6_K).
