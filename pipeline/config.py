@@ -12,18 +12,14 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from pipeline.model.archs import ARCHS, ROLES
+
 
 class Source(str, Enum):
     hf = "hf"          # huggingface_hub snapshot, revision pinned to a commit
     local = "local"    # a folder in HF layout
     gguf = "gguf"      # a GGUF file, or one shipped inside an installed Python package
     random = "random"  # a tiny randomly initialised model built from a config (tests)
-
-
-class Arch(str, Enum):
-    llama = "llama"
-    gemma3 = "gemma3"
-    gemma4 = "gemma4"
 
 
 class DType(str, Enum):
@@ -38,6 +34,10 @@ def _choices(name: str, values: list[str]) -> type[Enum]:
     return Enum(name, [(x, x) for x in values], type=str)
 
 
+# a tiny random model's architecture: an HF model_type of the registry (pipeline/model/archs/<model_type>.py)
+ModelType = _choices("ModelType", sorted(ARCHS))
+# what a linear is in its layer, whatever the architecture names it (quantize.overrides[].role)
+Role = _choices("Role", list(ROLES))
 LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "8da8w", "nvfp4"])
 EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
 # the stages in build order (pipeline/stages checks its modules against it): run.until's choices
@@ -72,8 +72,9 @@ class BackendName(str, Enum):
 
 @dataclass
 class RandomModelConfig:
-    """Geometry of a tiny random model (source=random)."""
-    arch: Arch = Arch.llama
+    """Geometry of a tiny random model (source=random): the common dims, plus what its architecture's entry adds
+    (pipeline/model/archs: `tiny`, `random_config`)."""
+    arch: ModelType = ModelType["llama"]
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -122,8 +123,11 @@ class QuantAlgorithm(str, Enum):
 
 @dataclass
 class ModuleOverride:
-    """Linears whose name matches `pattern` (fnmatch, e.g. '*.mlp.down_proj') take their own scheme."""
-    pattern: str = MISSING
+    """Linears whose name matches `pattern` (fnmatch, e.g. '*.mlp.down_proj'), or whose `role` in the layer is this
+    one (e.g. `down`: the MLP's and every expert's output projection, whatever the architecture calls it), take
+    their own scheme. Exactly one of the two."""
+    pattern: Optional[str] = None
+    role: Optional[Role] = None
     scheme: LinearScheme = MISSING
     group_size: int = 32                      # 0 = per output channel
 
@@ -162,7 +166,8 @@ class CacheConfig:
 @dataclass
 class ExportConfig:
     max_context_len: int = 512
-    prefill_chunk: int = 128                  # max_seq_len: the traced T is in [1, chunk]
+    # max_seq_len: the traced T is in [1, chunk]; null: the largest up to 128 the model allows (preflight says)
+    prefill_chunk: Optional[int] = None
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.last
     # torch.export's strict mode (dynamo); null: non-strict where the backend and the cache mode take it, in fp32
@@ -235,7 +240,8 @@ class VerifyConfig:
     # context), so a chunked prefill and, on sliding-window models with short rings, a wrap are checked
     long_prompt: bool = True
     chat: bool = True                         # apply the tokenizer's chat template when it has one
-    native: bool = True                       # also run the C++ runner: its tokens must equal the Python runtime's
+    # also run the C++ runner: its tokens must equal the Python runtime's; null: where it runs the backend's programs
+    native: Optional[bool] = None
     batched: bool = False                     # offgraph: the prompts as sessions of llm_batched_runner must equal
                                               # their single-session C++ runs (greedy)
     max_new_tokens: int = 16

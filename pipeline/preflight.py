@@ -8,7 +8,6 @@ pipeline/model/cache_modes); this module asks them. Also the memory estimate (fr
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import typing
 from typing import Optional
 
@@ -23,35 +22,68 @@ from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.model.kv_layout import geometry_layout, ring_slots
-from pipeline.model.quantization import head_scheme
+from pipeline.model.archs import ROLES
+from pipeline.model.quantization import head_scheme, override_matches
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 Problems = list[tuple[str, object, str]]
 
 
-def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None) -> Optional[Geometry]:
+def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optional[list] = None) -> Optional[Geometry]:
     """Raise ConfigError listing every problem; returns the model geometry when it could be read. A build that would
-    not fit this machine's memory (total_bytes, default: all of it) is refused here, before any download."""
+    not fit this machine's memory (total_bytes, default: all of it) is refused here, before any download. Defaults
+    left to the model and the backend (null) are fitted in cfg first (`fit`); `notes` gets what was chosen."""
     problems = unknown_key_problems(cfg)
     if problems:  # the other rules read the schema's keys; report the strangers alone
         raise ConfigError(problems)
-    problems = quantize_problems(cfg) + cache_problems(cfg) + export_problems(cfg) + verify_problems(cfg)
-    problems += EXPORTERS[cfg.export.exporter].problems(cfg)
-    if not is_inside_outputs(cfg.run.output_dir):
-        problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
     # rules that need the model's geometry (read from config/GGUF header, never the weights)
-    geometry = None
+    geometry, problems = None, []
     try:
         geometry = (geometry_fn or sources.geometry)(cfg.model)
     except PipelineError as err:
         problems.append((_source_key(cfg.model), _source_value(cfg.model), str(err).split(": ", 1)[-1]))
+    chosen = fit(cfg, geometry)
+    if notes is not None:
+        notes += chosen
+    problems += quantize_problems(cfg) + cache_problems(cfg) + export_problems(cfg) + verify_problems(cfg)
+    problems += EXPORTERS[cfg.export.exporter].problems(cfg)
+    if not is_inside_outputs(cfg.run.output_dir):
+        problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
     if geometry is not None:
-        problems += geometry_problems(cfg, geometry)
+        problems += arch_problems(geometry) + geometry_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)
         problems += memory_problems(cfg, geometry, total_bytes or psutil.virtual_memory().total)
     if problems:
         raise ConfigError(problems)
     return geometry
+
+
+DEFAULT_CHUNK = 128  # export.prefill_chunk when null, where the model allows it
+
+
+def fit(cfg, g: Optional[Geometry]) -> list[str]:
+    """Fill in the defaults left null for the model and the backend to decide, in place; returns what was chosen:
+    export.prefill_chunk, the largest chunk up to DEFAULT_CHUNK the model allows (the context, the smallest sliding
+    window: a ring holds window + chunk - 1 slots); verify.native, whether the C++ runner runs this backend's and
+    route's programs."""
+    chosen = []
+    e, vc = cfg.export, cfg.verify
+    if e.prefill_chunk is None:
+        window = g.smallest_window if g is not None else None
+        e.prefill_chunk = min(DEFAULT_CHUNK, max(1, e.max_context_len), window or DEFAULT_CHUNK)
+        why = f"smallest sliding window {window}" if window and e.prefill_chunk == window else \
+            f"export.max_context_len {e.max_context_len}" if e.prefill_chunk == e.max_context_len < DEFAULT_CHUNK \
+            else "the default"
+        chosen.append(f"export.prefill_chunk={e.prefill_chunk} (null: the largest chunk up to {DEFAULT_CHUNK} this "
+                      f"model allows; here {why})")
+    if vc.native is None:
+        backend, route = BACKENDS[cfg.backend.name], EXPORTERS[cfg.export.exporter]
+        vc.native = bool(backend.NATIVE_RUNNER and route.NATIVE_RUNNER)
+        if not vc.native:
+            chosen.append(f"verify.native=false (null: the C++ runner does not run backend={v(cfg.backend.name)} "
+                          f"programs of export.exporter={v(cfg.export.exporter)}; verify runs them in the "
+                          f"{backend.RUNTIME} runtime)")
+    return chosen
 
 
 def unknown_key_problems(cfg, schema=PipelineConfig, prefix: str = "") -> Problems:
@@ -221,24 +253,49 @@ def geometry_problems(cfg, g: Geometry) -> Problems:
             and g.hidden_size % q.lm_head_group_size:
         out.append(("quantize.lm_head_group_size", q.lm_head_group_size, f"must divide the lm_head's in_features "
                     f"{g.hidden_size}; divisors that work: {_common_divisors([g.hidden_size])}"))
-    linears = g.linears()
-    for i, o in enumerate(q.overrides):
-        matched = {name: n for name, n in linears.items() if fnmatch.fnmatch(name, o.pattern)}
-        if not matched:
-            out.append((f"quantize.overrides[{i}].pattern", o.pattern, "matches no linear; they are named like "
-                        "'model.layers.0.self_attn.q_proj', 'model.layers.0.mlp.down_proj', 'lm_head'"))
-        elif o.group_size > 0 and any(n % o.group_size for n in matched.values()):
-            out.append((f"quantize.overrides[{i}].group_size", o.group_size, f"must divide the in_features of the "
-                        f"linears it matches ({sorted(set(matched.values()))}); divisors that work: "
-                        f"{_common_divisors(matched.values())}"))
+    out += override_problems(q, g)
     if v(q.embedding) != "none" and q.embedding_group_size > 0 and g.hidden_size % q.embedding_group_size:
         out.append(("quantize.embedding_group_size", q.embedding_group_size,
                     f"must divide the embedding dim {g.hidden_size}; divisors that work: "
                     f"{_common_divisors([g.hidden_size])}"))
+    if g.rotary_switch and e.max_context_len > g.rotary_switch:
+        out.append(("export.max_context_len", e.max_context_len, f"must be <= {g.rotary_switch}, the model's longrope "
+                    "original_max_position_embeddings: past it HF rotates every position with the long factors, which "
+                    "a cache built position by position cannot follow"))
     if g.max_position_embeddings and e.max_context_len > g.max_position_embeddings:
         out.append(("export.max_context_len", e.max_context_len,
                     f"exceeds the model's max_position_embeddings {g.max_position_embeddings}"))
     return out
+
+
+def override_problems(q, g: Geometry) -> Problems:
+    """Each quantize.overrides entry names linears by a pattern or a role (exactly one), matches at least one of
+    this architecture's linears, and its group size divides their in_features."""
+    specs = g.linear_specs()
+    out = []
+    for i, o in enumerate(q.overrides):
+        key = f"quantize.overrides[{i}]"
+        if (o.pattern is None) == (o.role is None):
+            out.append((f"{key}.pattern/role", [o.pattern, v(o.role)], "set exactly one: a name pattern "
+                        "('*.mlp.down_proj') or a role (" + ", ".join(ROLES) + ")"))
+            continue
+        matched = {name: n for name, (_, n, role) in specs.items() if override_matches(o, name, role)}
+        if not matched and o.pattern is not None:
+            out.append((f"{key}.pattern", o.pattern, f"matches no linear of this {g.arch} model; they are named like "
+                        + ", ".join(repr(n) for n in list(specs)[:4]) + ", 'lm_head'"))
+        elif not matched:
+            roles = sorted({role for _, _, role in specs.values()})
+            out.append((f"{key}.role", v(o.role), f"this {g.arch} model has no linear of that role; its roles: {roles}"))
+        elif o.group_size > 0 and any(n % o.group_size for n in matched.values()):
+            out.append((f"{key}.group_size", o.group_size, f"must divide the in_features of the "
+                        f"linears it matches ({sorted(set(matched.values()))}); divisors that work: "
+                        f"{_common_divisors(matched.values())}"))
+    return out
+
+
+def arch_problems(g: Geometry) -> Problems:
+    """What the model's config asks that its architecture's entry does not build (pipeline/model/archs)."""
+    return [(f"config.json {key}", value, f"{g.arch}: {why}") for key, value, why in g.problems]
 
 
 def _common_divisors(values) -> list[int]:
@@ -287,10 +344,10 @@ def embedding_parameters(g: Geometry) -> int:
 
 def parameter_count(g: Geometry) -> int:
     """Every weight of the text model: its linears as geometry.linear_shapes() lists them (lm_head unless tied),
-    the norms and the embedding tables."""
+    the MoE routers, the norms and the embedding tables."""
     linears = sum(n_out * n_in for name, (n_out, n_in) in g.linear_shapes().items()
                   if name != "lm_head" or not g.tie_word_embeddings)
-    return embedding_parameters(g) + linears + g.num_layers * 2 * g.hidden_size
+    return embedding_parameters(g) + linears + g.router_parameters() + g.num_layers * 2 * g.hidden_size
 
 
 def kv_cache_bytes(cfg, g: Geometry) -> int:

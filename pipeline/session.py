@@ -95,7 +95,10 @@ def recipe_name() -> str | None:
 
 
 def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
-    geometry = preflight.check(cfg)             # every config problem, before any work
+    fitted: list[str] = []
+    geometry = preflight.check(cfg, notes=fitted)  # every config problem, before any work
+    for note in fitted:
+        log.info("preflight chose %s", note)
     if cfg.run.until is not None:
         stages = tuple(stages[:stages.index(v(cfg.run.until)) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
@@ -107,7 +110,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
         "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "pid": os.getpid(), "stages": [],
         "trust_remote_code": bool(cfg.model.trust_remote_code),  # off unless the recipe turns it on
-        "status": "running",
+        "preflight_chose": fitted, "status": "running",
     }
     entries: dict[str, Path] = {}
     keys: dict[str, str] = {}

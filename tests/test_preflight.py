@@ -7,9 +7,9 @@ import pytest
 from tests.helpers import run_cli
 
 CASES = {
-    "unknown recipe": (["recipe=no_such_recipe"], ["recipe/no_such_recipe", "smollm2_xnnpack"]),
+    "unknown recipe": (["recipe=no_such_recipe"], ["recipe=no_such_recipe", "smollm2_xnnpack"]),
     "typo'd key": (["recipe=tiny_llama_xnnpack", "export.max_contex_len=3"], ["max_contex_len"]),
-    "unknown choice": (["quantize=9w"], ["quantize/9w", "8da4w"]),
+    "unknown choice": (["quantize=9w"], ["quantize=9w", "8da4w"]),
     "bad enum value": (["recipe=tiny_llama_xnnpack", "backend.name=tpu"], ["backend.name", "xnnpack"]),
     "bad scheme value": (["recipe=tiny_llama_xnnpack", "quantize.linear=3w"], ["quantize.linear", "'3w'", "8da4w"]),
     "chunk > sliding window": (["recipe=gemma3_xnnpack", "export.prefill_chunk=600"],

@@ -2,6 +2,7 @@
 
 Each declares:
     STAGE_PEAK                    -- export's and lower's peak RSS (pipeline/preflight.py memory estimates)
+    NATIVE_RUNNER                 -- the C++ runners run its programs (verify.native: null follows it)
     problems(cfg), geometry_problems(cfg, geometry) -- what the route cannot build: [(key, value, why)]
     export(ctx), lower(ctx)       -- the export and lower stages' work; lower writes lower.json with a `program`
                                      record (layout, file(s), runtime, kernels) that pipeline/runtimes opens

@@ -21,6 +21,7 @@ from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_streaming
 
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK (memory estimates) reads it
+NATIVE_RUNNER = True  # one runner-layout program: the C++ runners run it
 STAGE_PEAK = {"export": {"module": 1.18, "embedding": 0.9, "layers": 0.9, "float": 0.7},
               "lower": {"module": 2.45, "layers": 1.35, "float": 1.2}}
 PROGRAM = "model.pte"

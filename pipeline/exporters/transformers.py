@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK: SmolLM2 fp32 (prefill then decode, one
 # model alive at a time) 4.3 GiB
+NATIVE_RUNNER = False  # prefill.pte + decode.pte: the C++ runners run the native route's one program
 STAGE_PEAK = {"export": {"weights": 8.5}, "lower": {"weights": 8.5}}
 COMPONENTS = ("prefill", "decode")
 # files of an exporter folder that the lower entry carries (ExportedModel.from_pretrained reads them)

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pipeline.model import archs
+
 
 def logits_to_keep(logits_mode: str, tokens: torch.Tensor, rows: Optional[torch.Tensor]):
     """HF's `logits_to_keep` for a logits mode: 0 = every row (`full`), 1 = the last (`last`, and `selected`
@@ -95,13 +97,15 @@ def define_op(namespace: str, name: str, args: str, out_alias: str, eager, fake)
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The HF attention modules (they carry layer_idx and an o_proj), checked against the config."""
-    layers = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
-    n = model.config.get_text_config().num_hidden_layers
-    if len(layers) != n:
-        raise NotImplementedError(f"found {len(layers)} attention layers, expected {n}: "
-                                  "this architecture's attention is not supported by this cache mode")
-    return layers
+    """The HF attention module of every decoder layer, where the architecture's entry says it is."""
+    arch = archs.of_model(model)
+    return [arch.attention_module(layer) for layer in arch.decoder_layers(model)]
+
+
+def sinks_of(module: nn.Module) -> Optional[torch.Tensor]:
+    """The attention module's per-head sink logits (gpt-oss), where its entry declares them, else None."""
+    name = archs.of_model_config(module.config).attention.sinks
+    return getattr(module, name) if name else None
 
 
 def kv_source(module: nn.Module) -> nn.Module:

@@ -16,6 +16,8 @@ import copy
 import torch
 from torch import nn
 
+from pipeline.model import archs
+
 ULPS = 2
 
 
@@ -27,15 +29,17 @@ def _noisy(t: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def _add_noise(module: nn.Module, g: torch.Generator) -> list:
-    """Hooks giving the wrapped model's norms' and activations' outputs and o_proj's input +-2 ulp of random relative
-    error, drawn from g; returns their handles."""
+    """Hooks giving the wrapped model's norms' and activations' outputs and the attention output projection's input
+    +-2 ulp of random relative error, drawn from g; returns their handles."""
     handles = []
-    for name, m in module.model.named_modules():
+    for m in module.model.modules():
         kind = type(m).__name__
-        if kind.endswith("RMSNorm") or type(m).__module__ == "transformers.activations":
+        if kind.endswith(("RMSNorm", "LayerNorm")) or type(m).__module__ == "transformers.activations":
             handles.append(m.register_forward_hook(lambda _, args, out: _noisy(out, g)))
-        if name.endswith("o_proj"):
-            handles.append(m.register_forward_pre_hook(lambda _, args: (_noisy(args[0], g), *args[1:])))
+    a = archs.of_model(module.model)
+    for layer in a.decoder_layers(module.model):
+        o = getattr(a.attention_module(layer), a.attention.o)
+        handles.append(o.register_forward_pre_hook(lambda _, args: (_noisy(args[0], g), *args[1:])))
     return handles
 
 

@@ -1,5 +1,6 @@
 """Sibling projections that read the same input, fused into one wider linear before export (`export.
-fuse_projections`): an attention layer's q/k/v, a gated MLP's gate/up.
+fuse_projections`): an attention layer's q/k/v, a gated MLP's (or an expert's) gate/up, as the architecture's entry
+names them (pipeline/model/archs).
 
 Why: at decode every linear is its own XNNPACK operator, with its own dynamic quantization of the activation row
 and its own thread-pool dispatch; SmolLM2 runs 7 of them per layer where 4 do the same work. The bits do not change:
@@ -16,14 +17,9 @@ import inspect
 import torch
 from torch import nn
 
-# parent class -> (fused linear's name, its members in output order). Only classes whose forward reads its input
-# through these members alone (checked in HF's source for each): anything else keeps its linears.
-FUSIBLE = {
-    "LlamaAttention": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-    "Gemma3Attention": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-    "LlamaMLP": ("gate_up_proj", ("gate_proj", "up_proj")),
-    "Gemma3MLP": ("gate_up_proj", ("gate_proj", "up_proj")),
-}
+from pipeline.model import archs
+
+QKV, GATE_UP = "qkv_proj", "gate_up_proj"  # the fused linears' names (an entry that fuses already uses them)
 
 
 class ProjectionSlice(nn.Module):
@@ -95,16 +91,29 @@ def _fuse(parent: nn.Module, fused_name: str, members: tuple[str, ...]) -> bool:
     return True
 
 
+def _plans(model: nn.Module):
+    """(parent, fused name, member names) of every split q/k/v and gate/up its architecture's entry declares: the
+    attention modules and dense MLPs of HF's layers (each reads its input through these members alone) and our
+    experts (pipeline/model/experts.py)."""
+    a = archs.of_model(model)
+    at, m = a.attention, a.mlp
+    for layer in a.decoder_layers(model):
+        if not at.qkv:
+            yield a.attention_module(layer), QKV, (at.q, at.k, at.v)
+        if a.has_experts(layer):
+            for expert in getattr(a.mlp_module(layer), a.experts.bank).experts:
+                yield expert, GATE_UP, tuple(archs.EXPERT_LINEARS[r] for r in ("gate", "up"))
+        elif not m.gate_up:
+            yield a.mlp_module(layer), GATE_UP, (m.gate, m.up)
+
+
 def fuse_projections(model: nn.Module) -> dict:
-    """Fuse every FUSIBLE parent's members in place (those whose weights share one quantization); returns
+    """Fuse every split q/k/v and gate/up in place (where the members' weights share one quantization); returns
     {fused name: count, "kept": parents left as they were}."""
-    report = {"qkv_proj": 0, "gate_up_proj": 0, "kept": 0}
-    for parent in list(model.modules()):
-        plan = FUSIBLE.get(type(parent).__name__)
-        if plan is None:
-            continue
-        if _fuse(parent, *plan):
-            report[plan[0]] += 1
+    report = {QKV: 0, GATE_UP: 0, "kept": 0}
+    for parent, name, members in list(_plans(model)):
+        if _fuse(parent, name, members):
+            report[name] += 1
         else:
             report["kept"] += 1
     return report

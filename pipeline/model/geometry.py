@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Optional
 
+from pipeline.model import archs
+
 
 @dataclass
 class Geometry:
-    arch: str
+    arch: str                                              # the HF model_type: its entry in pipeline/model/archs
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -33,6 +35,19 @@ class Geometry:
     k_eq_v_layers: list[int] = field(default_factory=list)  # layers whose values are their keys (no v_proj)
     per_layer_input: int = 0                               # Gemma 4's per-layer input embedding width
     wide_mlp_layers: list[int] = field(default_factory=list)  # layers whose MLP is twice intermediate_size
+    # mixture of experts: experts per MoE layer, how many a token runs, each expert's width, the dense layers
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_width: int = 0
+    dense_mlp_layers: list[int] = field(default_factory=list)
+    problems: list = field(default_factory=list)           # (config key, value, why) the entry cannot build
+    # longrope: past this length HF rotates every position with the long factors (and re-runs the whole sequence),
+    # which a cache built position by position cannot follow: the context must stay within it
+    rotary_switch: Optional[int] = None
+
+    @property
+    def entry(self) -> archs.Arch:
+        return archs.lookup(self.arch)
 
     @property
     def smallest_window(self) -> Optional[int]:
@@ -47,52 +62,90 @@ class Geometry:
     def shares_kv(self, i: int) -> bool:
         return bool(self.kv_source) and self.kv_source[i] != i
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """Every linear's module name (HF's Llama / Gemma layout) and its (out_features, in_features)."""
-        h, out = self.hidden_size, {}
+    def has_experts(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.dense_mlp_layers
+
+    def linear_specs(self) -> dict[str, tuple[int, int, str]]:
+        """Every linear's module name (as the architecture's entry lays the model out), (out_features, in_features)
+        and role (archs.ROLES)."""
+        a, h, out = self.entry, self.hidden_size, {}
         for i in range(self.num_layers):
-            q, kv = self.num_heads * self.layer_head_dim(i), self.layer_kv_head_count(i) * self.layer_head_dim(i)
-            projs = {"q_proj": q} if self.shares_kv(i) else \
-                {"q_proj": q, "k_proj": kv, **({} if i in self.k_eq_v_layers else {"v_proj": kv})}
-            for proj, n_out in projs.items():
-                out[f"model.layers.{i}.self_attn.{proj}"] = (n_out, h)
-            out[f"model.layers.{i}.self_attn.o_proj"] = (h, q)
-            width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
-            out[f"model.layers.{i}.mlp.gate_proj"] = out[f"model.layers.{i}.mlp.up_proj"] = (width, h)
-            out[f"model.layers.{i}.mlp.down_proj"] = (h, width)
+            out.update(self._attention_linears(a, i))
+            out.update(self._mlp_linears(a, i))
             if self.per_layer_input:
-                out[f"model.layers.{i}.per_layer_input_gate"] = (self.per_layer_input, h)
-                out[f"model.layers.{i}.per_layer_projection"] = (h, self.per_layer_input)
+                out[f"{a.layers}.{i}.per_layer_input_gate"] = (self.per_layer_input, h, "per_layer")
+                out[f"{a.layers}.{i}.per_layer_projection"] = (h, self.per_layer_input, "per_layer")
         if self.per_layer_input:
-            out["model.per_layer_model_projection"] = (self.num_layers * self.per_layer_input, h)
-        out["lm_head"] = (self.vocab_size, h)
+            out["model.per_layer_model_projection"] = (self.num_layers * self.per_layer_input, h, "per_layer")
+        out["lm_head"] = (self.vocab_size, h, "lm_head")
         return out
+
+    def _attention_linears(self, a: archs.Arch, i: int) -> dict:
+        at, h = a.attention, self.hidden_size
+        p = f"{a.layers}.{i}.{at.path}."
+        q, kv = self.num_heads * self.layer_head_dim(i), self.layer_kv_head_count(i) * self.layer_head_dim(i)
+        if at.qkv:
+            projs = {at.qkv: (q + 2 * kv, "qkv")}
+        elif self.shares_kv(i):
+            projs = {at.q: (q, "q")}
+        else:
+            projs = {at.q: (q, "q"), at.k: (kv, "k"), **({} if i in self.k_eq_v_layers else {at.v: (kv, "v")})}
+        out = {p + name: (n_out, h, role) for name, (n_out, role) in projs.items()}
+        out[p + at.o] = (h, q, "o")
+        return out
+
+    def _mlp_linears(self, a: archs.Arch, i: int) -> dict:
+        m, h = a.mlp, self.hidden_size
+        p = f"{a.layers}.{i}.{m.path}."
+        if self.has_experts(i):
+            w = self.expert_width
+            shapes = {"gate": (w, h), "up": (w, h), "down": (h, w)}
+            return {f"{p}{a.experts.bank}.{e}.{name}": (*shapes[role], role)
+                    for e in range(self.num_experts) for role, name in archs.EXPERT_LINEARS.items()}
+        width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
+        ins = {p + m.gate_up: (2 * width, h, "gate_up")} if m.gate_up else \
+            {p + m.gate: (width, h, "gate"), p + m.up: (width, h, "up")}
+        return {**ins, p + m.down: (h, width, "down")}
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every linear's module name and its (out_features, in_features)."""
+        return {name: (n_out, n_in) for name, (n_out, n_in, _) in self.linear_specs().items()}
+
+    def linear_roles(self) -> dict[str, str]:
+        return {name: role for name, (_, _, role) in self.linear_specs().items()}
+
+    def router_parameters(self) -> int:
+        """The MoE routers' weights (kept in float, not linears of the model)."""
+        return sum(self.num_experts * (self.hidden_size + 1) for i in range(self.num_layers) if self.has_experts(i))
 
     def linears(self) -> dict[str, int]:
         """Every linear's module name and its in_features."""
         return {name: n_in for name, (_, n_in) in self.linear_shapes().items()}
 
     def linear_in_features(self) -> dict[str, int]:
-        """in_features of each kind of linear (the distinct values per kind), plus lm_head."""
-        kinds = {"q_proj": "q_proj/k_proj/v_proj", "k_proj": "q_proj/k_proj/v_proj", "v_proj": "q_proj/k_proj/v_proj",
-                 "gate_proj": "gate_proj/up_proj", "up_proj": "gate_proj/up_proj"}
+        """in_features of each role of linear (the distinct values per role; q/k/v and gate/up read one input)."""
+        kinds = {"q": "q/k/v", "k": "q/k/v", "v": "q/k/v", "gate": "gate/up", "up": "gate/up"}
         out: dict[str, int] = {}
-        for name, n in self.linears().items():
-            kind = kinds.get(name.rsplit(".", 1)[-1], name.rsplit(".", 1)[-1])
+        for name, (_, n, role) in self.linear_specs().items():
+            kind = kinds.get(role, role)
             key = kind if out.get(kind, n) == n else f"{kind} ({name})"
             out[key] = n
         return out
 
 
-def layer_types(cfg) -> list[str]:
-    """Each layer's attention type, from an HF config (a dict or a config object)."""
-    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-    n = get("num_hidden_layers")
-    if get("layer_types"):
-        return list(get("layer_types"))
-    if get("sliding_window") and get("model_type", "") not in ("llama",):
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
+def text_config(cfg: dict) -> dict:
+    """The text part of an HF config dict: a multimodal checkpoint nests it under `text_config`."""
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def hf_config(cfg: dict):
+    """The HF config object of a config dict's text part, as transformers normalizes it (layer_types, rope
+    parameters, use_sliding_window); no weights. Refuses a model_type outside the registry first."""
+    cfg = dict(text_config(cfg))
+    model_type = cfg.pop("model_type", None)
+    archs.lookup(model_type)
+    from transformers import AutoConfig
+    return AutoConfig.for_model(model_type, **cfg)
 
 
 def kv_sources(types: list[str], n_shared: int) -> list[int]:
@@ -110,55 +163,63 @@ def kv_sources(types: list[str], n_shared: int) -> list[int]:
     return out
 
 
-def text_config(cfg: dict) -> dict:
-    """The text part of an HF config dict: a multimodal checkpoint nests it under `text_config`."""
-    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+def layer_types(config) -> list[str]:
+    """Each layer's attention kind, from an HF text config object, as its architecture's entry reads it."""
+    return archs.lookup(config.model_type).layer_kinds(config)
 
 
 def from_hf_config(cfg: dict) -> Geometry:
-    cfg = text_config(cfg)
-    heads = cfg["num_attention_heads"]
-    sliding = cfg.get("sliding_window")
-    types = layer_types(cfg)
-    n = cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    extra = {}
-    if cfg.get("model_type") == "gemma4_text":
-        # HF's Gemma4TextConfig: full-attention layers take global_head_dim (default 512) and, with
-        # attention_k_eq_v, num_global_key_value_heads; their values are their keys
-        k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-        g_dim = cfg.get("global_head_dim", 512)
-        g_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
-        full = [i for i, t in enumerate(types) if t == "full_attention"]
-        n_shared = cfg.get("num_kv_shared_layers", 0) or 0
-        src = kv_sources(types, n_shared)
-        dims = [g_dim if i in full else head_dim for i in range(n)]
-        kvs = [(g_kv or kv_heads) if i in full else kv_heads for i in range(n)]
-        # a config.json saved by transformers >= 5.23 holds the per-layer overrides themselves ({"05": {...}})
-        for key, over in (cfg.get("per_layer_config") or {}).items():
-            i = int(key)
-            dims[i] = over.get("head_dim", head_dim)
-            kvs[i] = over.get("num_key_value_heads", kv_heads)
-        extra = dict(layer_head_dims=dims, layer_kv_heads=kvs,
-                     kv_source=src, k_eq_v_layers=full if k_eq_v else [],
-                     per_layer_input=cfg.get("hidden_size_per_layer_input", 256) or 0,
-                     wide_mlp_layers=[i for i in range(n) if src[i] != i] if cfg.get("use_double_wide_mlp") else [])
+    """The geometry of an HF config dict (config.json's contents, or a tiny random model's)."""
+    return from_config(hf_config(cfg))
+
+
+def from_config(config) -> Geometry:
+    """The geometry of an HF text config object, as its architecture's entry reads it."""
+    a = archs.lookup(config.model_type)
+    types = a.layer_kinds(config)
+    n, heads = config.num_hidden_layers, config.num_attention_heads
+    first = layer_config(config, 0)  # a heterogeneous config (Gemma 4) answers per layer only
+    head_dim, kv_heads = a.head_dim(first), getattr(first, "num_key_value_heads", None) or heads
+    extra = _per_layer(a, config, types) if a.per_layer else {}
+    if a.experts is not None:
+        x = a.experts
+        extra.update(num_experts=getattr(config, x.count_key), experts_per_token=getattr(config, x.top_k_key),
+                     expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)))
+    window = getattr(config, "sliding_window", None)
     return Geometry(
-        arch=cfg.get("model_type", "?"),
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=cfg["vocab_size"],
-        layer_types=types,
-        sliding_window=sliding if "sliding_attention" in types else None,
-        max_position_embeddings=cfg.get("max_position_embeddings"),
-        tie_word_embeddings=cfg.get("tie_word_embeddings", True),
-        **extra,
-    )
+        arch=a.model_type, hidden_size=config.hidden_size, intermediate_size=getattr(config, a.mlp.width_key),
+        num_layers=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=config.vocab_size,
+        layer_types=types, sliding_window=window if "sliding_attention" in types else None,
+        max_position_embeddings=getattr(config, "max_position_embeddings", None),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)), problems=a.problems(config),
+        rotary_switch=_longrope_switch(config), **extra)
+
+
+def _longrope_switch(config) -> Optional[int]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    return params.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+
+
+def layer_config(config, i: int):
+    """Layer i's view of a heterogeneous config (Gemma 4's per_layer_config: global layers' own head dim and KV
+    heads), or the config itself."""
+    return config.per_layer_config[i] if hasattr(config, "per_layer_config") else config
+
+
+def _per_layer(a: archs.Arch, config, types: list[str]) -> dict:
+    """Gemma 4's per-layer geometry: each layer's head dim and KV heads (per_layer_config); values = keys on global
+    layers; trailing layers that share an earlier layer's K/V; per-layer input embeddings; double-wide shared MLPs."""
+    p, n = a.per_layer, len(types)
+    src = kv_sources(types, getattr(config, p.kv_shared_key, 0) or 0)
+    k_eq_v = bool(getattr(config, p.k_eq_v_key, False))
+    return dict(layer_head_dims=[a.head_dim(layer_config(config, i)) for i in range(n)],
+                layer_kv_heads=[layer_config(config, i).num_key_value_heads for i in range(n)],
+                kv_source=src, k_eq_v_layers=[i for i, t in enumerate(types) if t == "full_attention"] if k_eq_v else [],
+                per_layer_input=getattr(config, p.input_width_key, 0) or 0,
+                wide_mlp_layers=[i for i in range(n) if src[i] != i] if getattr(config, p.double_wide_key, False)
+                else [])
 
 
 def from_config_json(path: Path) -> Geometry:
@@ -243,7 +304,7 @@ def from_gguf(paths: list[Path]) -> Geometry:
         types = ["full_attention"] * n
     vocab = g("vocab_size") or m.get("tokenizer.ggml.tokens")
     return Geometry(
-        arch=arch, hidden_size=hidden, intermediate_size=g("feed_forward_length"), num_layers=n,
+        arch=archs.for_gguf(arch).model_type, hidden_size=hidden, intermediate_size=g("feed_forward_length"), num_layers=n,
         num_heads=heads, num_kv_heads=g("attention.head_count_kv", heads), head_dim=head_dim,
         vocab_size=vocab, layer_types=types, sliding_window=window if window else None,
         max_position_embeddings=g("context_length"),

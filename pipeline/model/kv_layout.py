@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from pipeline.model.geometry import Geometry, kv_sources, layer_types
+from pipeline.model import archs
+from pipeline.model.geometry import Geometry, kv_sources, layer_config, layer_types
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,8 @@ class CacheLayout:
 
 def _layer_dims(cfg, i: int) -> tuple[int, int]:
     """(kv heads, head dim) of layer i; a heterogeneous config (Gemma 4's global layers) has its own per layer."""
-    lc = cfg.per_layer_config[i] if hasattr(cfg, "per_layer_config") else cfg
-    head_dim = getattr(lc, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return lc.num_key_value_heads, head_dim
+    lc = layer_config(cfg, i)
+    return getattr(lc, "num_key_value_heads", None) or cfg.num_attention_heads, archs.lookup(cfg.model_type).head_dim(lc)
 
 
 def cache_layout(cfg, windows: Optional[Sequence[int]] = None) -> CacheLayout:

@@ -6,14 +6,22 @@ from pathlib import Path
 from torch import nn
 
 from pipeline.abi import DTYPES
+from pipeline.model import archs
 
 
-def load_hf_model(model_dir: Path, dtype: str = "fp32") -> nn.Module:
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa")
+def load_hf_model(model_dir: Path, dtype: str = "fp32", exportable: bool = False) -> nn.Module:
+    """The model with HF's own modules and its entry's reference attention (sdpa, or eager where HF has no sdpa
+    path); `exportable`: with the entry's rewrites applied (experts as linears, pipeline/model/experts.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    arch = archs.lookup(AutoConfig.from_pretrained(model_dir).get_text_config().model_type)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
+                                                 attn_implementation=arch.reference_attention)
     model.eval()
     for m in model.modules():
         # an embedding with padding_idx lowers to an op without an out variant once quantized
         if isinstance(m, nn.Embedding):
             m.padding_idx = None
+    if exportable:
+        from pipeline.model.experts import rewrite_experts
+        rewrite_experts(model)
     return model

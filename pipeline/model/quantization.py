@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipeline.config import v
+from pipeline.model.geometry import from_config
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,29 @@ def dynamic_activations(q) -> bool:
     return any(SCHEMES[s].dynamic for s in schemes_in_use(q))
 
 
+def linear_roles(model: nn.Module) -> dict[str, str]:
+    """Each linear's role (pipeline/model/archs ROLES) by its module name, as the architecture's entry lays the model
+    out (the geometry's own list: the same names preflight checks)."""
+    return from_config(model.config.get_text_config()).linear_roles()
+
+
+def override_matches(o, name: str, role: Optional[str]) -> bool:
+    """Does quantize.overrides entry `o` take the linear `name` of `role`? (by name pattern, or by role)"""
+    if o.pattern is not None:
+        return fnmatch.fnmatch(name, o.pattern)
+    return role is not None and v(o.role) == role
+
+
 def linear_plan(model: nn.Module, q, retie: bool) -> dict[tuple[str, int], list[str]]:
     """(scheme, group) -> the names of the linears that take it (a re-tied head takes none: it shares the
     embedding's quantized weight)."""
     head = model.get_output_embeddings()
+    roles = linear_roles(model)
     plan: dict[tuple[str, int], list[str]] = {}
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
-        override = next((o for o in q.overrides if fnmatch.fnmatch(name, o.pattern)), None)
+        override = next((o for o in q.overrides if override_matches(o, name, roles.get(name))), None)
         if m is head and retie:
             continue
         if m is head and q.lm_head is not None:
@@ -104,15 +119,15 @@ def carry_source_grid(model: nn.Module, source, name: str, original: torch.Tenso
     source_grid.py; `original`: the float weight of module `name` before quantization); True if carried."""
     from pipeline.model.source_grid import gguf_name
     cfg = model.config.get_text_config()
-    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    heads = {"q": cfg.num_attention_heads, "k": cfg.num_key_value_heads}
+    role = linear_roles(model).get(name)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     module = model.get_submodule(name)
     w = module.weight
     if getattr(w, "target_dtype", None) not in (torch.int4, torch.int8):
         return False
-    new = source.carried(gguf_name(name, tied), original, 8 if w.target_dtype == torch.int8 else 4,
-                         w.block_size[1], asymmetric_ok, w.activation_quantization,
-                         next((h for k, h in heads.items() if name.endswith(k)), None))
+    new = source.carried(gguf_name(name, tied, role), original, 8 if w.target_dtype == torch.int8 else 4,
+                         w.block_size[1], asymmetric_ok, w.activation_quantization, heads.get(role))
     if new is None:
         return False
     module.weight = nn.Parameter(new, requires_grad=False)

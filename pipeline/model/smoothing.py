@@ -3,34 +3,133 @@
 A linear's input has a few channels far larger than the rest. Two things then go wrong. XNNPACK's dynamic int8
 quantization spends its per-row range on those channels. The weight columns that meet them carry the error of
 4-bit groups into large products. Each input channel j is divided by s_j = max|x_j|^alpha / max|w_j|^(1 - alpha)
-and the matching weight column is multiplied by it. The division is folded into whatever produced the input:
-- the norm before q/k/v and before gate/up;
-- up_proj's rows before down_proj;
-- v_proj's rows before o_proj. There s is shared by the query heads that read one KV head.
+and the matching weight column is multiplied by it. The division is folded into whatever produced the input, as the
+architecture's entry (pipeline/model/archs) lays the layer out:
+- the norm before the attention projections, and the norm before the MLP (one norm for both in a parallel block);
+  a post-norm layer's projections read the residual stream, which nothing can absorb: they stay as they are;
+- up's rows before down (each expert's own; not under gpt-oss's clamped SwiGLU, which is not linear in up);
+- v's rows before o. There s is shared by the query heads that read one KV head; not with value norms (Gemma 4).
+A mixture-of-experts router reads the MLP's input too: its columns take the scales as well, and it stays in float.
 The float model computes the same function (up to rounding). Only what quantization loses changes.
-SmolLM2-135M 8da4w + hqq, eager: corpus KLD 0.31 -> 0.19 at alpha 0.5 (README, Fidelity).
+SmolLM2-135M 8da4w + hqq, eager: corpus KLD 0.31 -> 0.19 at alpha 0.5 (docs/fidelity.md, `python bench/fidelity.py`).
 
 The maxima come from calibration text (bench/corpus/calibration.txt: other topics of the reference the fidelity
 corpus comes from), which neither fidelity nor verify scores.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from torch import nn
+
+from pipeline.model import archs
+from pipeline.model.geometry import layer_config
+
+
+@dataclass
+class Rows:
+    """Rows [start, stop) of a linear's output (the whole linear when stop is None)."""
+    linear: nn.Linear
+    start: int = 0
+    stop: Optional[int] = None
+
+
+@dataclass
+class Group:
+    """Linears (and router weights) that read one input; `hook` sees that input; the division folds into `norm`
+    (scaled by offset + weight) or into `rows`; `heads` (hq, hkv, d): o's input, one scale per KV channel."""
+    key: str
+    hook: nn.Module
+    readers: list
+    norm: Optional[nn.Module] = None
+    rows: Optional[Rows] = None
+    heads: Optional[tuple[int, int, int]] = None
+
+
+def _linear(parent: nn.Module, name: Optional[str]) -> Optional[nn.Linear]:
+    m = getattr(parent, name, None) if name else None
+    return m if isinstance(m, nn.Linear) else None
+
+
+def _attention_inputs(a: archs.Arch, attn: nn.Module) -> list:
+    at = a.attention
+    return [m for m in (_linear(attn, at.qkv),) if m] or [m for m in (_linear(attn, n) for n in (at.q, at.k, at.v)) if m]
+
+
+def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], list]:
+    """(the module whose input is the MLP's, the weights that read it)."""
+    mlp = a.mlp_module(layer)
+    if a.has_experts(layer):
+        router = getattr(mlp, a.experts.router)
+        bank = getattr(mlp, a.experts.bank)
+        return router, [router.weight] + [w for e in bank.experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+    linears = [m for m in (_linear(mlp, a.mlp.gate_up),) if m] or \
+        [m for m in (_linear(mlp, a.mlp.gate), _linear(mlp, a.mlp.up)) if m]
+    return (linears[0] if linears else None), [m.weight for m in linears]
+
+
+def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
+    """down's input = act(gate) * up: its scales fold into up's rows (per expert)."""
+    mlp = a.mlp_module(layer)
+    if a.has_experts(layer):
+        if a.experts.activation != "silu":
+            return []
+        bank = getattr(mlp, a.experts.bank)
+        return [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
+                for e, x in enumerate(bank.experts)]
+    down = _linear(mlp, a.mlp.down)
+    fused = _linear(mlp, a.mlp.gate_up)
+    up = Rows(fused, fused.out_features // 2, fused.out_features) if fused else Rows(_linear(mlp, a.mlp.up))
+    return [Group(f"{i}.down", down, [down.weight], rows=up)] if down is not None and up.linear is not None else []
+
+
+def _o_group(a: archs.Arch, i: int, attn: nn.Module, config) -> list[Group]:
+    """o's input is v's output: its scales fold into v's rows (the v rows of a fused qkv)."""
+    at, lc = a.attention, layer_config(config, i)
+    hq, hkv, d = config.num_attention_heads, lc.num_key_value_heads, a.head_dim(lc)
+    o = _linear(attn, at.o)
+    if at.v_norm or o is None:
+        return []
+    fused, v = _linear(attn, at.qkv), _linear(attn, at.v)
+    rows = Rows(fused, hq * d + hkv * d, hq * d + 2 * hkv * d) if fused else (Rows(v) if v is not None else None)
+    return [Group(f"{i}.o", o, [o.weight], rows=rows, heads=(hq, hkv, d))] if rows is not None else []
+
+
+def groups(model: nn.Module) -> list[Group]:
+    """The smoothing groups of an HF causal LM (experts rewritten), as its architecture's entry lays it out."""
+    a = archs.of_model(model)
+    config = model.config.get_text_config()
+    out: list[Group] = []
+    for i, layer in enumerate(a.decoder_layers(model)):
+        attn = a.attention_module(layer)
+        attn_in = _attention_inputs(a, attn)
+        mlp_hook, mlp_in = _mlp_inputs(a, layer)
+        n = a.norms
+        if n.attention_input and attn_in:
+            shared = n.mlp_input == n.attention_input
+            out.append(Group(f"{i}.attention", attn_in[0], [m.weight for m in attn_in] + (mlp_in if shared else []),
+                             norm=getattr(layer, n.attention_input)))
+        if n.mlp_input and n.mlp_input != n.attention_input and mlp_in:
+            out.append(Group(f"{i}.mlp", mlp_hook, mlp_in, norm=getattr(layer, n.mlp_input)))
+        out += _down_groups(a, i, layer) + _o_group(a, i, attn, config)
+    return out
 
 
 @torch.no_grad()
 def activation_maxima(model: nn.Module, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Per input channel max |x| of the linears smoothing scales (q_proj, gate_proj, down_proj, o_proj), over
-    uncached forwards of a float HF model."""
+    """Per input channel max |x| of every smoothing group's input, over uncached forwards of a float HF model
+    (experts rewritten); a group whose input never ran (an expert no token reached) has none."""
     stats: dict[str, torch.Tensor] = {}
     hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and name.endswith(("q_proj", "gate_proj", "o_proj", "down_proj")):
-            def hook(_, args, name=name):
-                a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-                stats[name] = torch.maximum(stats[name], a) if name in stats else a
-            hooks.append(m.register_forward_pre_hook(hook))
+    for g in groups(model):
+        def hook(_, args, key=g.key):
+            a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).float()
+            if a.shape[0]:
+                a = a.amax(0)
+                stats[key] = torch.maximum(stats[key], a) if key in stats else a
+        hooks.append(g.hook.register_forward_pre_hook(hook))
     try:
         for ids in sequences:
             model(input_ids=torch.tensor([ids]), use_cache=False)
@@ -45,65 +144,49 @@ def _ratio(x: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
     return (x.clamp_min(1e-5).pow(alpha) / w.clamp_min(1e-5).pow(1 - alpha)).clamp_min(1e-5)
 
 
-def _scales(x: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
-    """The scales of an input that several linears read: their weight columns' joint max."""
-    return _ratio(x, torch.cat([w.abs().float() for w in weights], 0).amax(0), alpha)
+def _column_max(weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([w.abs().float() for w in weights], 0).amax(0)
 
 
-def _norm_offset(norm: nn.Module) -> float:
-    """1 for norms that scale by (1 + weight) (Gemma's), 0 for those that scale by weight (Llama's): probed on a
-    row of ones, whose RMS-normalized value is 1."""
-    w = norm.weight
-    y = norm(torch.ones(1, w.shape[0], dtype=w.dtype))
-    return float(round(float(y[0, 0] - w[0])))
+def _fold_into_norm(norm: nn.Module, s: torch.Tensor, offset: float) -> None:
+    norm.weight.copy_(((offset + norm.weight.float()) / s - offset).to(norm.weight.dtype))
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.div_(s.to(norm.bias.dtype))
 
 
-def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
-    off = _norm_offset(norm)
-    norm.weight.copy_(((off + norm.weight.float()) / s - off).to(norm.weight.dtype))
+def _scale_rows(rows: Rows, s: torch.Tensor) -> None:
+    lin, stop = rows.linear, rows.stop or rows.linear.out_features
+    lin.weight[rows.start:stop].div_(s[:, None].to(lin.weight.dtype))
+    if lin.bias is not None:
+        lin.bias[rows.start:stop].div_(s.to(lin.bias.dtype))
 
 
-def _scale_rows(linear: nn.Linear, s: torch.Tensor) -> None:
-    linear.weight.div_(s[:, None].to(linear.weight.dtype))
-    if linear.bias is not None:
-        linear.bias.div_(s.to(linear.bias.dtype))
-
-
-def _scale_columns(linears, s: torch.Tensor) -> None:
-    for lin in linears:
-        lin.weight.mul_(s.to(lin.weight.dtype))
+def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> None:
+    if g.heads is not None:  # o: channel h*d + c reads KV head h // (hq // hkv): one scale per KV channel
+        hq, hkv, d = g.heads
+        w = _column_max(g.readers).view(hkv, hq // hkv, d).amax(1)
+        s = _ratio(x.view(hkv, hq // hkv, d).amax(1), w, alpha)
+        _scale_rows(g.rows, s.reshape(-1))
+        cols = s[:, None, :].expand(hkv, hq // hkv, d).reshape(-1)
+    else:
+        cols = s = _ratio(x, _column_max(g.readers), alpha)
+        if g.norm is not None:
+            _fold_into_norm(g.norm, s, offset)
+        else:
+            _scale_rows(g.rows, s)
+    for w in g.readers:
+        w.mul_(cols.to(w.dtype))
 
 
 @torch.no_grad()
 def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> int:
-    """Fold the smoothing scales into a float HF model (Llama / Gemma decoder layout) in place; returns the
-    number of linears whose inputs were smoothed."""
-    cfg = model.config.get_text_config()
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    """Fold the smoothing scales into a float HF model (experts rewritten) in place; returns the number of linears
+    (and routers) whose inputs were smoothed."""
+    offset = archs.of_model(model).norms.offset
     smoothed = 0
-    for i, layer in enumerate(model.model.layers):
-        p = f"model.layers.{i}."
-        at, mlp = layer.self_attn, layer.mlp
-        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
-
-        s = _scales(maxima[p + "self_attn.q_proj"], [at.q_proj.weight, at.k_proj.weight, at.v_proj.weight], alpha)
-        _fold_into_norm(layer.input_layernorm, s)
-        _scale_columns((at.q_proj, at.k_proj, at.v_proj), s)
-
-        s = _scales(maxima[p + "mlp.gate_proj"], [mlp.gate_proj.weight, mlp.up_proj.weight], alpha)
-        _fold_into_norm(mlp_norm, s)
-        _scale_columns((mlp.gate_proj, mlp.up_proj), s)
-
-        s = _scales(maxima[p + "mlp.down_proj"], [mlp.down_proj.weight], alpha)
-        _scale_rows(mlp.up_proj, s)
-        _scale_columns((mlp.down_proj,), s)
-
-        # o_proj's input channel h*d + c reads KV head h // (hq // hkv): one scale per KV channel
-        x = maxima[p + "self_attn.o_proj"].view(hkv, hq // hkv, d).amax(1)
-        w = at.o_proj.weight.abs().float().amax(0).view(hkv, hq // hkv, d).amax(1)
-        s = _ratio(x, w, alpha)
-        _scale_rows(at.v_proj, s.reshape(-1))
-        _scale_columns((at.o_proj,), s[:, None, :].expand(hkv, hq // hkv, d).reshape(-1))
-        smoothed += 7
+    for g in groups(model):
+        if g.key in maxima:
+            _apply(g, maxima[g.key], alpha, offset)
+            smoothed += len(g.readers)
     return smoothed
+

@@ -22,26 +22,21 @@ import numpy as np
 import torch
 
 GROUP = 32
-# GGUF tensor names of an HF Llama / Gemma 3 module (the layer index fills {i})
-GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# GGUF tensor names of a layer's linear, by its role (pipeline/model/archs ROLES; the layer index fills blk.{i})
+GGUF_NAMES = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+              "down": "ffn_down"}
 
 
-def gguf_name(hf_name: str, tied: bool) -> Optional[str]:
-    """The GGUF tensor of an HF module name (model.layers.3.mlp.up_proj -> blk.3.ffn_up.weight)."""
+def gguf_name(hf_name: str, tied: bool, role: Optional[str] = None) -> Optional[str]:
+    """The GGUF tensor of an HF module name and its role (model.layers.3.mlp.up_proj, up -> blk.3.ffn_up.weight)."""
     if hf_name in ("model.embed_tokens", "embed_tokens"):
         return "token_embd.weight"
     if hf_name == "lm_head":
         return "token_embd.weight" if tied else "output.weight"
     parts = hf_name.split(".")
-    if "layers" not in parts:
+    if "layers" not in parts or role not in GGUF_NAMES:
         return None
-    at = parts.index("layers")
-    suffix = ".".join(parts[at + 2:])
-    return f"blk.{parts[at + 1]}.{GGUF_NAMES[suffix]}.weight" if suffix in GGUF_NAMES else None
+    return f"blk.{parts[parts.index('layers') + 1]}.{GGUF_NAMES[role]}.weight"
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:

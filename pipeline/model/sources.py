@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from pipeline.errors import PipelineError
+from pipeline.model import archs
 from pipeline.model.geometry import Geometry, from_config_json, from_gguf, from_hf_config
 
 
@@ -16,7 +17,9 @@ class SourceError(PipelineError):
 
 
 def random_hf_config(r) -> dict:
-    """The HF config dict of a tiny random model (source=random)."""
+    """The HF config dict of a tiny random model (source=random): the common dims, then what its architecture's entry
+    adds (pipeline/model/archs/<model_type>.py: `tiny` fields, or its `random_config`)."""
+    arch = archs.lookup(getattr(r.arch, "value", r.arch))
     common = dict(
         hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
         num_hidden_layers=r.num_hidden_layers, num_attention_heads=r.num_attention_heads,
@@ -26,33 +29,12 @@ def random_hf_config(r) -> dict:
         # a wider init than HF's default 0.02 gives peaked logits: varied, well-separated greedy tokens
         initializer_range=0.1,
     )
-    arch = getattr(r.arch, "value", r.arch)
-    if arch == "llama":
-        return dict(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=10000.0, **common)
-    if arch == "gemma3":
-        n, every = r.num_hidden_layers, r.sliding_window_pattern
-        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
-        return dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
-                    sliding_window=r.sliding_window or 16, layer_types=types,
-                    query_pre_attn_scalar=r.head_dim, **common)
-    if arch == "gemma4":
-        return _gemma4(r, common)
-    raise SourceError(f"model.random.arch={arch!r}: allowed: llama, gemma3, gemma4")
-
-
-def _gemma4(r, common: dict) -> dict:
-    """Gemma 4 text: sliding layers with a full one every `sliding_window_pattern` (and last), global layers
-    with their own head dim / KV heads and proportional partial RoPE (HF's defaults), per-layer inputs."""
-    n, every = r.num_hidden_layers, r.sliding_window_pattern
-    types = ["full_attention" if (i + 1) % every == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
-    cfg = dict(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], sliding_window=r.sliding_window or 16,
-               layer_types=types, global_head_dim=r.global_head_dim or r.head_dim,
-               hidden_size_per_layer_input=r.hidden_size_per_layer_input, vocab_size_per_layer_input=r.vocab_size,
-               num_kv_shared_layers=r.num_kv_shared_layers, attention_k_eq_v=r.attention_k_eq_v,
-               use_double_wide_mlp=r.use_double_wide_mlp, **common)
-    if r.num_global_key_value_heads:
-        cfg["num_global_key_value_heads"] = r.num_global_key_value_heads
-    return cfg
+    if arch.random_config is not None:
+        return dict(arch.random_config(r, common), model_type=arch.model_type)
+    tiny = dict(arch.tiny)
+    if r.sliding_window and "sliding_window" in tiny:
+        tiny["sliding_window"] = r.sliding_window
+    return dict(common, **tiny, model_type=arch.model_type)
 
 
 def package_gguf(package: str, pattern: str) -> tuple[Optional[Path], list[Path], Optional[Callable]]:

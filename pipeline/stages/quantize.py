@@ -50,6 +50,6 @@ def smooth_module(module, model_dir, alpha: float) -> dict:
     from pipeline.model.loading import load_hf_model
     from pipeline.model.smoothing import activation_maxima, smooth
     sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
-    maxima = activation_maxima(load_hf_model(model_dir), sequences)
+    maxima = activation_maxima(load_hf_model(model_dir, exportable=True), sequences)
     linears = smooth(module.model, maxima, alpha)
     return {"alpha": alpha, "calibration_tokens": sum(map(len, sequences)), "linears": linears}

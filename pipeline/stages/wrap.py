@@ -14,12 +14,13 @@ import torch
 from pipeline.abi import DTYPES
 from pipeline.config import v
 from pipeline.model.cache_modes import flags, wrap
+from pipeline.model.experts import rewrite_experts
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "wrap", 1
+NAME, VERSION = "wrap", 2
 AFTER = ("download",)
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
 # the wrapper must reproduce HF's own forward this closely, relative to the logits' scale (the largest |logit| of
@@ -37,6 +38,9 @@ def run(ctx) -> dict:
     model_dir = ctx.inputs["download"] / "model"
     with spinner("load model", ctx.progress):
         model = load_hf_model(model_dir, v(e.dtype))
+    with spinner("HF forward (the self-check's reference)", ctx.progress):
+        ids, kept, prefill = hf_reference(model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
+    rewritten = rewrite_experts(model)  # after HF's own forward gave the reference: the check covers the rewrite
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
@@ -44,7 +48,7 @@ def run(ctx) -> dict:
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
                   DTYPES[v(kv_dtype)] if kv_dtype is not None else None)
     with spinner("self-check against HF forward", ctx.progress):
-        check = self_check(module, model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
+        check = compare(module, ids, kept, prefill, e.prefill_chunk)
     # half K/V storage (cache.kv_dtype) rounds like a half forward does
     rounding = max(SELF_CHECK_TOL[dtype], SELF_CHECK_TOL[v(kv_dtype)] if kv_dtype is not None else 0.0)
     tol = rounding * max(check["logit_scale"], SCALE_FLOOR)
@@ -58,26 +62,35 @@ def run(ctx) -> dict:
         "cache_mode": mode, "cache_flags": flags(ctx.cfg.cache), "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
         "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-        "vocab_size": g.vocab_size, "self_check": check,
+        "vocab_size": g.vocab_size, "arch": g.arch, "experts_rewritten": rewritten, "self_check": check,
     }
     (ctx.out / "wrap.json").write_text(json.dumps(spec, indent=2))
     return {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"]}
 
 
 @torch.no_grad()
-def self_check(module, model, context: int, chunk: int, window, vocab: int) -> dict:
-    """Chunked prefill + decode through the wrapper vs one uncached HF forward over the same ids.
-
-    The sequence runs past the sliding window (when the context allows) so window masks are exercised.
-    """
+def hf_reference(model, context: int, chunk: int, window, vocab: int) -> tuple[list[int], torch.Tensor, int]:
+    """(ids, HF's logits of the rows compared, prefill length): one uncached HF forward over random ids that run
+    past the sliding window (when the context allows), so window masks are exercised. Only the rows compared are
+    kept: the last prefill row and the 4 decoded ones (all n rows of gemma's vocabulary: 0.7 GB)."""
     n = min(context, (window or 0) + 2 * chunk + 4, 640)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
     prefill = n - 4
-    # only the rows compared: the last prefill row and the 4 decoded ones (all n rows of gemma's vocabulary: 0.7 GB)
     kept = model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=n - prefill + 1).logits[0].float()
+    return ids, kept, prefill
+
+
+def self_check(module, model, context: int, chunk: int, window, vocab: int) -> dict:
+    """The wrapper against its model's uncached forward, past the window (hf_reference, then compare)."""
+    return compare(module, *hf_reference(model, context, chunk, window, vocab), chunk)
+
+
+@torch.no_grad()
+def compare(module, ids: list[int], kept: torch.Tensor, prefill: int, chunk: int) -> dict:
+    """Chunked prefill + decode through the wrapper vs HF's uncached forward over the same ids (hf_reference)."""
     errs = [(run_sequence(module, ids[:prefill], chunk) - kept[0]).abs().max().item()]
-    for i in range(prefill, n):
+    for i in range(prefill, len(ids)):
         step = run_sequence(module, [ids[i]], 1, start=i)
         errs.append((step - kept[i - prefill + 1]).abs().max().item())
-    return {"tokens": n, "max_abs_err": max(errs), "logit_scale": kept.abs().max().item()}
+    return {"tokens": len(ids), "max_abs_err": max(errs), "logit_scale": kept.abs().max().item()}

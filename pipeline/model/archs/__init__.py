@@ -1,0 +1,206 @@
+"""The model architectures, one module each; the file name is the HF `model_type` (config.json's, or its
+`text_config`'s for a multimodal checkpoint).
+
+Each module holds `ARCH = Arch(...)`: the declared shape of its decoder, written as what differs from the plain
+(Llama) decoder. Geometry, wrap, quantize, smoothing, projection fusing, preflight and verify ask the entry; none of
+them names a module. A `model_type` outside this registry is refused at preflight, from config.json alone.
+
+HF's own modeling code runs the forward (rotary variants, multipliers, softcaps, norms), so an entry declares where
+things are and what they are, not how to compute them; the one rewrite is the experts of a mixture-of-experts layer
+(pipeline/model/experts.py), whose HF forward does not export.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
+
+from pipeline.errors import PipelineError
+
+# the layer kinds an attention cache mode builds; any other kind in a config (linear_attention, conv, ...) is refused
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# the names of one expert's linears after the rewrite (pipeline/model/experts.py builds them, geometry lists them)
+EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
+ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head")
+# rotary scalings that trace to a program: `dynamic` recomputes its frequencies in a Python branch on the length
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
+
+
+class UnsupportedArch(PipelineError):
+    exit_code = 2
+
+
+def _config_layer_kinds(config) -> list[str]:
+    """Each layer's attention kind: the config's layer_types, else every layer sliding where the config sets a
+    window (Mistral, Phi-3, Mixtral: HF's mask is then sliding in every layer), else full."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    window = getattr(config, "sliding_window", None)
+    return ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class Attention:
+    path: str = "self_attn"            # in a decoder layer
+    q: str = "q_proj"
+    k: str = "k_proj"
+    v: str = "v_proj"
+    o: str = "o_proj"
+    qkv: Optional[str] = None          # one fused linear, rows q then k then v (Phi-3)
+    qk_norm: str = ""                  # "" | "head" (per head, Qwen3) | "projection" (over the projection, OLMo-2)
+    v_norm: bool = False               # values RMS-normalized (Gemma 4): o_proj's input cannot be smoothed through v
+    sinks: Optional[str] = None        # a per-head sink logit parameter (gpt-oss): softmax over the keys and the sink
+    head_dim_key: Optional[str] = "head_dim"   # None: hidden_size // heads whatever the config says (Phi-3)
+
+
+@dataclass(frozen=True)
+class Mlp:
+    path: str = "mlp"                  # in a decoder layer
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    gate_up: Optional[str] = None      # one fused linear, gate rows then up rows (Phi-3, GLM-4)
+    width_key: str = "intermediate_size"
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP block: a router (kept in float) and a bank of experts, of which a token runs top-k."""
+    router: str = "gate"               # in the MLP block
+    bank: str = "experts"              # in the MLP block: the experts' stacked weights (rewritten to linears)
+    count_key: str = "num_experts"
+    top_k_key: str = "num_experts_per_tok"
+    width_key: str = "moe_intermediate_size"
+    # "stacked": gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], no biases (Qwen3-MoE, Mixtral);
+    # "interleaved": gate_up [E, H, 2I] with gate/up alternating columns, down [E, I, H], biases (gpt-oss)
+    layout: str = "stacked"
+    activation: str = "silu"           # "silu": act(gate) * up; "clamped_swiglu": gpt-oss's, limit and alpha
+    # layers whose MLP is dense, from the config (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
+    dense_layers: Callable = field(default=lambda config: [])
+
+
+@dataclass(frozen=True)
+class Norms:
+    placement: str = "pre"             # pre | post | sandwich | parallel: where the layer's norms sit
+    attention_input: Optional[str] = "input_layernorm"         # the norm the attention projections read (None:
+    mlp_input: Optional[str] = "post_attention_layernorm"      # they read the residual: post-norm); likewise the MLP
+    offset: float = 0.0                # norms scale by (offset + weight): Gemma's 1
+    kind: str = "rms"                  # rms | layer (Cohere's LayerNorm without bias)
+
+
+@dataclass(frozen=True)
+class PerLayer:
+    """Gemma 4's per-layer geometry (the config's keys): KV-shared trailing layers, values = keys on global layers,
+    per-layer input embeddings, double-wide MLPs on shared layers. Each layer's head dim and KV heads come from the
+    config's per_layer_config (global layers' own)."""
+    k_eq_v_key: str = "attention_k_eq_v"
+    kv_shared_key: str = "num_kv_shared_layers"
+    input_width_key: str = "hidden_size_per_layer_input"
+    double_wide_key: str = "use_double_wide_mlp"
+
+
+@dataclass(frozen=True)
+class Arch:
+    family: str                        # what users call it
+    attention: Attention = Attention()
+    mlp: Mlp = Mlp()
+    experts: Optional[Experts] = None
+    norms: Norms = Norms()
+    per_layer: Optional[PerLayer] = None
+    layers: str = "model.layers"       # the decoder layers, in the causal LM
+    layer_kinds: Callable = field(default=_config_layer_kinds)
+    # what HF's forward applies and the entry only records (the support table; preflight's refusals)
+    rotary: str = "rope"               # e.g. "rope, partial", "rope; NoPE layers"
+    embedding_scale: str = ""          # e.g. "sqrt(hidden)" (Gemma), "embedding_multiplier" (Granite)
+    logits: str = ""                   # e.g. "final softcap" (Gemma), "logit_scale" (Cohere 2)
+    # the float reference's attention implementation (HF's sdpa, or eager where the model has no sdpa path)
+    reference_attention: str = "sdpa"
+    # config features the pipeline does not build: (key, predicate on its value, why)
+    refuses: tuple = ()
+    # the config fields of a tiny random model beside the common dims (tests; model.source=random), or a function
+    # (model.random, common dims) -> its config dict where the fields depend on the dims
+    tiny: dict = field(default_factory=dict)
+    random_config: Optional[Callable] = None
+    gguf_arch: Optional[str] = None    # a GGUF file's general.architecture naming this model_type
+    model_type: str = ""               # set from the file name
+
+    # --- where things are, in a loaded model ---------------------------------------------------------------------
+    def decoder_layers(self, model) -> list:
+        return list(model.get_submodule(self.layers))
+
+    def attention_module(self, layer):
+        return layer.get_submodule(self.attention.path)
+
+    def mlp_module(self, layer):
+        return layer.get_submodule(self.mlp.path)
+
+    def has_experts(self, layer) -> bool:
+        return self.experts is not None and hasattr(self.mlp_module(layer), self.experts.bank)
+
+    # --- what the config says ------------------------------------------------------------------------------------
+    def head_dim(self, config) -> int:
+        key = self.attention.head_dim_key
+        return (getattr(config, key, None) if key else None) or config.hidden_size // config.num_attention_heads
+
+    def problems(self, config) -> list[tuple[str, object, str]]:
+        """(config key, value, why) of every feature of this config the pipeline cannot build."""
+        out = [(key, getattr(config, key, None), why) for key, bad, why in self.refuses
+               if bad(getattr(config, key, None))]
+        kinds = sorted(set(self.layer_kinds(config)) - set(ATTENTION_KINDS))
+        if kinds:
+            out.append(("layer_types", kinds, f"layer kinds the attention cache modes build: {list(ATTENTION_KINDS)}"))
+        for rope in _rope_types(config):
+            if rope not in ROPE_TYPES:
+                out.append(("rope_parameters.rope_type", rope, f"not traceable to a program; allowed: {list(ROPE_TYPES)}"))
+        return out
+
+
+def _rope_types(config) -> set[str]:
+    """The rope_type values of a config (one, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if "rope_type" in params or "rope_theta" in params:
+        params = {"all": params}
+    return {p.get("rope_type", "default") for p in params.values() if isinstance(p, dict)}
+
+
+def _load() -> dict[str, Arch]:
+    entries = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if not isinstance(getattr(module, "ARCH", None), Arch):
+            raise TypeError(f"{module.__name__} must define ARCH = Arch(...)")
+        entries[info.name] = replace(module.ARCH, model_type=info.name)
+    return entries
+
+
+ARCHS: dict[str, Arch] = _load()
+
+
+def lookup(model_type: Optional[str]) -> Arch:
+    """The entry of an HF model_type; refused with the supported list otherwise."""
+    if model_type in ARCHS:
+        return ARCHS[model_type]
+    raise UnsupportedArch(f"model_type {model_type!r} is not supported by this pipeline (no pipeline/model/archs/"
+                          f"{model_type}.py). Supported: {sorted(ARCHS)}")
+
+
+def for_gguf(general_arch: str) -> Arch:
+    """The entry a GGUF file's general.architecture names."""
+    for arch in ARCHS.values():
+        if (arch.gguf_arch or arch.model_type) == general_arch:
+            return arch
+    raise UnsupportedArch(f"GGUF general.architecture {general_arch!r} is not supported by this pipeline. "
+                          f"Supported: {sorted(a.gguf_arch or a.model_type for a in ARCHS.values())}")
+
+
+def of_model(model) -> Arch:
+    """The entry of a loaded HF causal LM."""
+    return of_model_config(model.config)
+
+
+def of_model_config(config) -> Arch:
+    """The entry of an HF config object (a multimodal one: its text part's)."""
+    return lookup(config.get_text_config().model_type)
