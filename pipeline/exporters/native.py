@@ -82,6 +82,8 @@ def export(ctx) -> dict:
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
     info["strict"] = strict = strict_export(ctx.cfg)
+    from pipeline.model.experts import pack_experts
+    info["expert_layers"] = pack_experts(module.model)  # one llmpipe::experts op per MoE layer
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
@@ -182,8 +184,10 @@ def lower(ctx) -> dict:
     pte = ctx.out / PROGRAM
     with open(pte, "wb") as f:
         et.write_to_file(f)
+    # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts)
+    ours = {"llmpipe"} if any(op.startswith("llmpipe") for op in report["by_op"]) else set()
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
-                         "kernels": list(CACHE_MODES[cfg.cache.mode].KERNELS)}
+                         "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours)}
     report["constant_methods"] = methods
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],

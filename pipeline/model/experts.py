@@ -4,14 +4,18 @@ experts its router picked.
 HF keeps a layer's experts as stacked 3-D weights and runs them through `transformers::grouped_mm_fallback` or a
 Python loop over the experts hit, neither of which lowers. The rewrite (at wrap, after HF's own forward has given the
 reference logits) replaces the bank with `ExpertBank`: one `Expert` of nn.Linear per expert, so every quantization
-scheme, override and backend applies to the experts as to any linear. The router is HF's module, untouched and in
-float. Per expert, the rows routed to it are found with nonzero (a size known only at run time, at most the step's
-rows), gathered, run through the expert and added back weighted: a decode step runs its top-k experts, not all.
+scheme and override applies to the experts as to any linear. The router is HF's module, untouched and in float.
+
+At export each bank becomes one `llmpipe::experts` op (PackedExperts) over the experts' stacked weights, as
+quantized: its kernel (native/) runs, per expert, only the rows routed to it, so a decode step reads its top-k
+experts' weights, not all. In the graph instead, the rows per expert have a size known only at run time, and
+torchao's dynamic activation quantization cannot trace such a size (it compares it with 1 and 0 while tracing).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pipeline.model import archs
 
@@ -37,7 +41,8 @@ class Expert(nn.Module):
 
 
 class ExpertBank(nn.Module):
-    """A layer's experts; forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H], as HF's."""
+    """A layer's experts; forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H], as HF's.
+    Eager only: export packs it for the llmpipe::experts op (PackedExperts, below)."""
 
     def __init__(self, experts: list[Expert], top_k: int):
         super().__init__()
@@ -45,16 +50,12 @@ class ExpertBank(nn.Module):
         self.top_k = top_k
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        n = hidden.shape[0]
-        picks, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
         out = torch.zeros_like(hidden)
         for e, expert in enumerate(self.experts):
-            # the (token, slot) entries that picked expert e: a token picks an expert at most once, so at most n
-            hit = torch.nonzero(picks == e).reshape(-1)
-            torch._check(hit.shape[0] <= n)
-            rows = torch.div(hit, self.top_k, rounding_mode="floor")
-            y = expert(hidden.index_select(0, rows)) * weights.index_select(0, hit).unsqueeze(-1).to(hidden.dtype)
-            out = out.index_add(0, rows, y)
+            rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
+            if rows.numel():  # an expert no row picked runs nothing
+                y = expert(hidden[rows]) * top_k_weights[rows, slots].unsqueeze(-1).to(hidden.dtype)
+                out.index_add_(0, rows, y)
         return out
 
 
@@ -108,3 +109,119 @@ def rewrite_experts(model: nn.Module) -> int:
 def expert_banks(model: nn.Module) -> list[ExpertBank]:
     return [m for m in model.modules() if isinstance(m, ExpertBank)]
 
+
+
+# --- the exported form: one op per MoE layer -------------------------------------------------------------------
+# llmpipe::experts(hidden [N,H], top_k_index [N,k], top_k_weights [N,k], then per projection (gate, up, down): its
+# weights [E, out, in] (fp32, or int8 values with fp32 group scales [E, out, in / group]) and biases [E, out];
+# act_quant: per projection, whether its input rows are quantized to int8 first (the 8da schemes); activation:
+# 0 silu, 1 gpt-oss's clamped SwiGLU) -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per
+# expert, only the rows routed to it; an expert no row picked reads none of its weights.
+NAMESPACE, OP_NAME = "llmpipe", "experts"
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+PROJECTIONS = ("gate", "up", "down")
+
+
+def _quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
+    """torchao's dynamic int8 activation quantization (asymmetric, per row), as its eager 8da linears apply it."""
+    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
+        _apply_int8_act_asym_per_token_quant_dequant)
+    return _apply_int8_act_asym_per_token_quant_dequant(x)
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, s, b, act_quant: bool) -> torch.Tensor:
+    if act_quant:
+        x = _quant_dequant_rows(x)
+    wf = w.float() if s is None else w.float() * s.repeat_interleave(w.shape[-1] // s.shape[-1], -1)
+    return F.linear(x, wf, b)
+
+
+def experts_ref(hidden, top_k_index, top_k_weights, gate_w, gate_s, gate_b, up_w, up_s, up_b, down_w, down_s, down_b,
+                act_quant, activation: int, limit: float, alpha: float) -> torch.Tensor:
+    """The op's semantics in torch (eager; the C++ kernel's twin)."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    x_all = hidden.float()
+    for e in range(gate_w.shape[0]):
+        rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        x = x_all[rows]
+        pick = (lambda t: None if t is None else t[e])  # noqa: E731
+        g = _project(x, gate_w[e], pick(gate_s), pick(gate_b), bool(act_quant[0]))
+        u = _project(x, up_w[e], pick(up_s), pick(up_b), bool(act_quant[1]))
+        if activation == ACTIVATIONS["clamped_swiglu"]:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            a = (u + 1) * (g * torch.sigmoid(g * alpha))
+        else:
+            a = F.silu(g) * u
+        y = _project(a, down_w[e], pick(down_s), pick(down_b), bool(act_quant[2]))
+        out.index_add_(0, rows, y * top_k_weights[rows, slots].float().unsqueeze(-1))
+    return out.to(hidden.dtype)
+
+
+def _define() -> None:
+    from pipeline.model.attention import define_op
+
+    def fake(hidden, *args):
+        return torch.empty_like(hidden)
+
+    projections = ", ".join(f"Tensor {p}_w, Tensor? {p}_s, Tensor? {p}_b" for p in PROJECTIONS)
+    globals()["_LIB"] = define_op(
+        NAMESPACE, OP_NAME, f"Tensor hidden, Tensor top_k_index, Tensor top_k_weights, {projections}, "
+        "int[] act_quant, int activation, float limit, float alpha", "a", experts_ref, fake)
+
+
+if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
+    _define()
+
+
+def _packed(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, bool]:
+    """One projection of every expert, stacked: (weights [E, out, in], group scales or None, biases or None, act
+    quant). Every expert must hold it the same way (one scheme and group)."""
+    from torchao.quantization import IntxUnpackedToInt8Tensor
+    ws = [m.weight for m in linears]
+    bias = torch.stack([m.bias.detach().float() for m in linears]) if linears[0].bias is not None else None
+    if all(type(w) is IntxUnpackedToInt8Tensor for w in ws):
+        layouts = {(w.target_dtype, tuple(w.block_size), w.activation_quantization) for w in ws}
+        if len(layouts) != 1 or ws[0].block_size[0] != 1 or any(w.zero_point.abs().max() > 0 for w in ws):
+            raise ValueError(f"experts: the experts' weights are quantized differently ({sorted(map(str, layouts))}) "
+                             "or asymmetrically: give every expert's projection of one role the same scheme")
+        return (torch.stack([w.qdata for w in ws]), torch.stack([w.scale.float() for w in ws]), bias,
+                ws[0].activation_quantization is not None)
+    if any(isinstance(w, torch.Tensor) and type(w) not in (nn.Parameter, torch.Tensor) for w in ws):
+        raise ValueError(f"experts: weights of {sorted({type(w).__name__ for w in ws})} have no packed form")
+    return torch.stack([w.detach().float() for w in ws]), None, bias, False
+
+
+class PackedExperts(nn.Module):
+    """A layer's experts as the llmpipe::experts op takes them (the exported form of an ExpertBank)."""
+
+    def __init__(self, bank: ExpertBank):
+        super().__init__()
+        first = bank.experts[0]
+        self.activation = ACTIVATIONS[first.activation]
+        self.limit, self.alpha = first.limit, first.alpha
+        self.act_quant = []
+        for role in PROJECTIONS:
+            w, s, b, aq = _packed([getattr(x, archs.EXPERT_LINEARS[role]) for x in bank.experts])
+            for part, t in (("w", w), ("s", s), ("b", b)):
+                self.register_buffer(f"{role}_{part}", t)
+            self.act_quant.append(int(aq))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        parts = [getattr(self, f"{role}_{part}") for role in PROJECTIONS for part in ("w", "s", "b")]
+        return torch.ops.llmpipe.experts(hidden, top_k_index, top_k_weights.float(), *parts, self.act_quant,
+                                         self.activation, self.limit, self.alpha)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Replace every ExpertBank by its PackedExperts (before torch.export); returns how many."""
+    a = archs.of_model(model)
+    count = 0
+    for layer in a.decoder_layers(model) if a.experts is not None else ():
+        block = a.mlp_module(layer)
+        bank = getattr(block, a.experts.bank, None)
+        if isinstance(bank, ExpertBank):
+            setattr(block, a.experts.bank, PackedExperts(bank))
+            count += 1
+    return count

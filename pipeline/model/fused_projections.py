@@ -1,6 +1,6 @@
 """Sibling projections that read the same input, fused into one wider linear before export (`export.
-fuse_projections`): an attention layer's q/k/v, a gated MLP's (or an expert's) gate/up, as the architecture's entry
-names them (pipeline/model/archs).
+fuse_projections`): an attention layer's q/k/v, a gated MLP's gate/up, as the architecture's entry names them
+(pipeline/model/archs).
 
 Why: at decode every linear is its own XNNPACK operator, with its own dynamic quantization of the activation row
 and its own thread-pool dispatch; SmolLM2 runs 7 of them per layer where 4 do the same work. The bits do not change:
@@ -93,17 +93,14 @@ def _fuse(parent: nn.Module, fused_name: str, members: tuple[str, ...]) -> bool:
 
 def _plans(model: nn.Module):
     """(parent, fused name, member names) of every split q/k/v and gate/up its architecture's entry declares: the
-    attention modules and dense MLPs of HF's layers (each reads its input through these members alone) and our
-    experts (pipeline/model/experts.py)."""
+    attention modules and dense MLPs of HF's layers (each reads its input through these members alone). Experts
+    are not fused: their kernel reads gate and up itself (pipeline/model/experts.py)."""
     a = archs.of_model(model)
     at, m = a.attention, a.mlp
     for layer in a.decoder_layers(model):
         if not at.qkv:
             yield a.attention_module(layer), QKV, (at.q, at.k, at.v)
-        if a.has_experts(layer):
-            for expert in getattr(a.mlp_module(layer), a.experts.bank).experts:
-                yield expert, GATE_UP, tuple(archs.EXPERT_LINEARS[r] for r in ("gate", "up"))
-        elif not m.gate_up:
+        if not m.gate_up and not a.has_experts(layer):
             yield a.mlp_module(layer), GATE_UP, (m.gate, m.up)
 
 

@@ -138,6 +138,7 @@ class Arch:
         return layer.get_submodule(self.mlp.path)
 
     def has_experts(self, layer) -> bool:
+        """Is this layer's MLP a mixture of experts (HF's bank, or ours after the rewrite)?"""
         return self.experts is not None and hasattr(self.mlp_module(layer), self.experts.bank)
 
     # --- what the config says ------------------------------------------------------------------------------------
