@@ -56,10 +56,11 @@ def step_args(op: str, query: torch.Tensor, scaling, kwargs) -> tuple[torch.Tens
 
 
 def attend_gathered(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos: int, base: int, window: int,
-                    scale: float, out_dtype) -> torch.Tensor:
+                    scale: float, out_dtype, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [1,Hq,T,D] at positions pos.., K [Hkv,S,D] / V [Hkv,S,Dv] at positions base..; fp32 softmax.
 
-    Key j is visible to query i iff key <= query and, with a window w > 0, key > query - w."""
+    Key j is visible to query i iff key <= query and, with a window w > 0, key > query - w. `sinks` [Hq] (gpt-oss):
+    a logit per head that every row's softmax also counts, whose value is zero."""
     T = q.shape[2]
     group = q.shape[1] // K.shape[0]
     K = K.float().repeat_interleave(group, 0)
@@ -71,7 +72,12 @@ def attend_gathered(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, pos: int,
     if window > 0:
         visible &= kpos > qpos - window
     scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), V).unsqueeze(0).to(out_dtype)  # [1,Hq,T,Dv]
+    if sinks is not None:
+        column = sinks.float().reshape(-1, 1, 1).expand(scores.shape[0], T, 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.matmul(probs, V).unsqueeze(0).to(out_dtype)  # [1,Hq,T,Dv]
 
 
 def define_op(namespace: str, name: str, args: str, out_alias: str, eager, fake):
@@ -102,10 +108,10 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [arch.attention_module(layer) for layer in arch.decoder_layers(model)]
 
 
-def sinks_of(module: nn.Module) -> Optional[torch.Tensor]:
-    """The attention module's per-head sink logits (gpt-oss), where its entry declares them, else None."""
-    name = archs.of_model_config(module.config).attention.sinks
-    return getattr(module, name) if name else None
+def sinks_arg(kwargs: dict) -> Optional[torch.Tensor]:
+    """The per-head sink logits HF's attention call hands the attention function (gpt-oss: `s_aux`), in fp32, or None."""
+    s = kwargs.get("s_aux")
+    return None if s is None else s.float()
 
 
 def kv_source(module: nn.Module) -> nn.Module:

@@ -5,7 +5,8 @@
 //   q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv]; k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv];
 //   position [T] (consecutive), window (0 = full attention over a flat cache of `slots` positions;
 //   w > 0 = a ring of `slots`, slot = position % slots; a wrapping step needs w + T - 1 <= slots);
-//   out [1,Hq,T,Dv] in q's dtype.
+//   sinks: none, or Float [Hq] (gpt-oss: a per-head logit each row's softmax also counts); out [1,Hq,T,Dv] in q's dtype.
+#include <optional>
 #include <string>
 
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -22,7 +23,7 @@ using executorch::runtime::KernelRuntimeContext;
 
 Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                              Tensor& k_cache, Tensor& v_cache, const Tensor& position, int64_t window,
-                             double scale, Tensor& out) {
+                             double scale, const std::optional<Tensor>& sinks, Tensor& out) {
   auto fail = [&](const std::string& msg) -> Tensor& {
     ET_LOG(Error, "llmpipe::cached_attention: %s", msg.c_str());
     ctx.fail(Error::InvalidArgument);
@@ -47,8 +48,9 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
                 std::to_string(slots) + " slots with window " + std::to_string(window));
   if (!resize_out(out, a)) return fail("cannot resize out");
   const Plan p = plan_step(0, a.pos, a.T, window, window > 0 ? slots : 0);
-  const SlotView view{static_cast<uint8_t*>(k_cache.mutable_data_ptr()), static_cast<uint8_t*>(v_cache.mutable_data_ptr()), a.Hkv, a.D,
-                      a.Dv, dtype, window};
+  SlotView view{static_cast<uint8_t*>(k_cache.mutable_data_ptr()), static_cast<uint8_t*>(v_cache.mutable_data_ptr()), a.Hkv, a.D,
+                a.Dv, dtype, window};
+  if (!check_sinks(sinks, a.Hq, &view.sinks, &why)) return fail(why);
   write_step(view, p, k, v);
   attend(view, p, q, static_cast<float>(scale), out.mutable_data_ptr(), static_cast<int>(q.scalar_type()));
   return out;
@@ -57,7 +59,8 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
 // llmpipe::cached_attend.out: a KV-shared layer attends over its source layer's buffers (written by the
 // source's cached_attention earlier in this forward) without writing; q may hold only the step's last rows.
 Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
-                          const Tensor& position, int64_t window, double scale, Tensor& out) {
+                          const Tensor& position, int64_t window, double scale, const std::optional<Tensor>& sinks,
+                          Tensor& out) {
   auto fail = [&](const std::string& msg) -> Tensor& {
     ET_LOG(Error, "llmpipe::cached_attend: %s", msg.c_str());
     ctx.fail(Error::InvalidArgument);
@@ -84,9 +87,10 @@ Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
                 ") do not fit a cache of " + std::to_string(slots) + " slots with window " + std::to_string(window));
   if (!resize_out(out, a)) return fail("cannot resize out");
   const Plan p = plan_step(0, a.pos, a.T, window, window > 0 ? slots : 0);
-  const SlotView view{static_cast<uint8_t*>(const_cast<void*>(k_cache.const_data_ptr())),
-                      static_cast<uint8_t*>(const_cast<void*>(v_cache.const_data_ptr())), a.Hkv, a.D, a.Dv, dtype,
-                      window};
+  SlotView view{static_cast<uint8_t*>(const_cast<void*>(k_cache.const_data_ptr())),
+                static_cast<uint8_t*>(const_cast<void*>(v_cache.const_data_ptr())), a.Hkv, a.D, a.Dv, dtype, window};
+  std::string why;
+  if (!check_sinks(sinks, a.Hq, &view.sinks, &why)) return fail(why);
   attend(view, p, q, static_cast<float>(scale), out.mutable_data_ptr(), static_cast<int>(q.scalar_type()));
   return out;
 }

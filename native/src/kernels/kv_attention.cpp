@@ -240,9 +240,11 @@ void write_rows(const Segment& g, int64_t Ttot, int64_t i, int splits, const flo
   float* x = row_out.data();
   for (int64_t h = 0; h < Hq; ++h) {
     const int64_t row = h * Ttot + g.row0 + i;
-    float mx = -INFINITY;
+    // a sink joins the softmax's max and sum (without sinks: -inf, so the max and the sum are the keys' alone)
+    const float sink = g.view.sinks ? g.view.sinks[h] : -INFINITY;
+    float mx = sink;
     for (int sp = 0; sp < splits; ++sp) mx = std::max(mx, m[sp * Hq + h]);
-    float total = 0.f;
+    float total = g.view.sinks ? std::exp(sink - mx) : 0.f;
     float w[kMaxSplits];
     for (int sp = 0; sp < splits; ++sp) {
       const float ms = m[sp * Hq + h];
@@ -342,7 +344,11 @@ void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
     for (int64_t r = 0; r < R; ++r)
       for (int64_t h = 0; h < group; ++h) {
         const int64_t v = (kh * R + r) * group + h, row = (kh * group + h) * Ttot + g.row0 + i0 + r;
-        const float inv = 1.f / l[v];
+        float inv = 1.f / l[v];
+        if (s.sinks) {  // the sink's share of the softmax: its exp joins the sum, its value row is zero
+          const float sink = s.sinks[kh * group + h], top = std::max(m[v], sink), f = std::exp(m[v] - top);
+          inv = f / (l[v] * f + std::exp(sink - top));
+        }
         for (int64_t d = 0; d < Dv; ++d) row_out[d] = acc[v * Dv + d] * inv;
         store_row(out, out_code, row * Dv, row_out.data(), Dv);
       }
@@ -353,6 +359,17 @@ bool float_like(ScalarType t) {
 }
 
 }  // namespace
+
+bool check_sinks(const std::optional<Tensor>& sinks, int64_t Hq, const float** out, std::string* why) {
+  *out = nullptr;
+  if (!sinks.has_value()) return true;
+  if (sinks->scalar_type() != ScalarType::Float || sinks->numel() != Hq) {
+    *why = "sinks must be Float with one entry per query head (" + std::to_string(Hq) + ")";
+    return false;
+  }
+  *out = sinks->const_data_ptr<float>();
+  return true;
+}
 
 int64_t position_at(const Tensor& position, int64_t i) {
   return position.scalar_type() == ScalarType::Long ? position.const_data_ptr<int64_t>()[i]

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +53,9 @@ bool check_step_args(const executorch::aten::Tensor& q, const executorch::aten::
                      const executorch::aten::Tensor& v, const executorch::aten::Tensor& position,
                      executorch::aten::ScalarType out_dtype, const executorch::aten::Tensor& out,
                      StepArgs* args, std::string* why, bool consecutive = true);
+// The sinks argument of an attention op: none, or Float [Hq] (its data in *out); false with *why otherwise.
+bool check_sinks(const std::optional<executorch::aten::Tensor>& sinks, int64_t Hq, const float** out,
+                 std::string* why);
 // Entry i of a Long or Int position tensor.
 int64_t position_at(const executorch::aten::Tensor& position, int64_t i);
 // Resizes out to [1,Hq,T,Dv].
@@ -67,6 +71,8 @@ struct SlotView {
   // 0: slot-major [slot][kv_head][dim]; > 0: head-major BHSD [kv_head][slot][dim] over this many slots
   // (HF's static cache layout, which llmpipe::sdpa / llmpipe::update_cache read and write)
   int64_t head_major_slots = 0;
+  // per query head, a sink logit every row's softmax also counts, whose value row is zero (gpt-oss), or none
+  const float* sinks = nullptr;
   // elements between consecutive slots / kv heads of the keys (dim = head_dim) or values (dim = v_dim)
   int64_t slot_stride(int64_t dim) const { return head_major_slots ? dim : kv_heads * dim; }
   int64_t head_stride(int64_t dim) const { return head_major_slots ? head_major_slots * dim : dim; }

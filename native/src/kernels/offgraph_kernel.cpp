@@ -2,13 +2,15 @@
 // cache (see offgraph_cache.h for the binding rule), then attend in fp32.
 //
 //   q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (Float/Half/BFloat16, contiguous),
-//   position [T] or [T,1] (Long or Int, consecutive), out [1,Hq,T,Dv] of out_dtype.
+//   position [T] or [T,1] (Long or Int, consecutive), sinks none or Float [Hq] (gpt-oss: a per-head logit
+//   each row's softmax also counts), out [1,Hq,T,Dv] of out_dtype.
 // Key j (logical position base + j) is visible to query i (position pos + i) iff
 // key <= query and, on a layer with window w, key > query - w.
 //
 // With a BatchStep bound (batched runner) the rows of the step are row groups of different
 // sessions: position holds each row's own position (consecutive within a group, checked against
 // the bound step), each group writes to and attends over its own session's cache.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,7 +37,7 @@ std::string geometry_mismatch(const LayerSpec& sp, const kv::StepArgs& a) {
 // One forward, several sessions: every row group is written to and attended over its own cache.
 Tensor& batched_out(KernelRuntimeContext& ctx, const BatchStep& batch, const Tensor& q, const Tensor& k,
                     const Tensor& v, const Tensor& position, int64_t cache_id, double scale,
-                    ScalarType out_dtype, Tensor& out) {
+                    ScalarType out_dtype, const float* sinks, Tensor& out) {
   auto fail = [&](Error e, const std::string& msg) -> Tensor& {
     std::string m = "llmpipe::update_and_attend (batched, cache_id " + std::to_string(cache_id) + "): " + msg;
     set_last_error(m);
@@ -73,6 +75,7 @@ Tensor& batched_out(KernelRuntimeContext& ctx, const BatchStep& batch, const Ten
       return fail(Error::InvalidArgument, "row group " + std::to_string(g) + ": " + why);
     const StepSlots& sl = slots[g];
     segs[g] = kv::Segment{sl.view, rg.pos, rg.T, row, sl.base, sl.write.data(), sl.read.data()};
+    segs[g].view.sinks = sinks;
     row += rg.T;
   }
   if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
@@ -84,7 +87,8 @@ Tensor& batched_out(KernelRuntimeContext& ctx, const BatchStep& batch, const Ten
 
 Tensor& update_and_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k,
                               const Tensor& v, const Tensor& position, int64_t cache_id,
-                              double scale, ScalarType out_dtype, Tensor& out) {
+                              double scale, ScalarType out_dtype, const std::optional<Tensor>& sinks,
+                              Tensor& out) {
   auto fail = [&](Error e, const std::string& msg) -> Tensor& {
     std::string m = "llmpipe::update_and_attend (cache_id " + std::to_string(cache_id) + "): " + msg;
     set_last_error(m);
@@ -92,15 +96,18 @@ Tensor& update_and_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const 
     ctx.fail(e);
     return out;
   };
+  const float* sink_logits = nullptr;
+  std::string why;
+  if (q.dim() != 4 || !kv::check_sinks(sinks, q.size(1), &sink_logits, &why))
+    return fail(Error::InvalidArgument, q.dim() != 4 ? "q must be 4-d [B,H,T,D]" : why);
   if (const BatchStep* batch = bound_batch())
-    return batched_out(ctx, *batch, q, k, v, position, cache_id, scale, out_dtype, out);
+    return batched_out(ctx, *batch, q, k, v, position, cache_id, scale, out_dtype, sink_logits, out);
   OffgraphKvCache* cache = bound_cache();
   if (cache == nullptr)
     return fail(Error::InvalidState,
                 "no off-graph KV cache is bound: this program keeps its KV cache outside the graph "
                 "(run it with --kv-max-capacity, or bind a cache before execute)");
   kv::StepArgs a;
-  std::string why;
   if (!kv::check_step_args(q, k, v, position, out_dtype, out, &a, &why))
     return fail(Error::InvalidArgument, why);
   if (cache_id < 0 || cache_id >= cache->n_layers())
@@ -114,7 +121,8 @@ Tensor& update_and_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const 
   if (!cache->plan(layer, a.pos, a.T, &p, &why)) return fail(Error::InvalidArgument, why);
   if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
   cache->ensure(layer, p.end);
-  const kv::SlotView view = cache->view(layer);
+  kv::SlotView view = cache->view(layer);
+  view.sinks = sink_logits;
   kv::write_step(view, p, k, v);
   kv::attend(view, p, q, static_cast<float>(scale), out.mutable_data_ptr(), static_cast<int>(out_dtype));
   return out;
@@ -145,7 +153,7 @@ bool check_read_args(const Tensor& q, const Tensor& position, ScalarType out_dty
 // llmpipe::attend_cached.out: a KV-shared layer attends over cache `cache_id` (its source layer's, written
 // earlier in this forward) without writing. The queries may be only the last rows of the step.
 Tensor& attend_cached_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& position, int64_t cache_id,
-                          double scale, ScalarType out_dtype, Tensor& out) {
+                          double scale, ScalarType out_dtype, const std::optional<Tensor>& sinks, Tensor& out) {
   auto fail = [&](Error e, const std::string& msg) -> Tensor& {
     std::string m = "llmpipe::attend_cached (cache_id " + std::to_string(cache_id) + "): " + msg;
     set_last_error(m);
@@ -155,6 +163,9 @@ Tensor& attend_cached_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   };
   kv::StepArgs a;
   std::string why;
+  const float* sink_logits = nullptr;
+  if (q.dim() != 4 || !kv::check_sinks(sinks, q.size(1), &sink_logits, &why))
+    return fail(Error::InvalidArgument, q.dim() != 4 ? "q must be 4-d [B,H,T,D]" : why);
   if (const BatchStep* batch = bound_batch()) {
     static thread_local std::vector<StepSlots> slots;
     static thread_local std::vector<kv::Segment> segs;
@@ -181,6 +192,7 @@ Tensor& attend_cached_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
         return fail(Error::InvalidArgument, "row group " + std::to_string(g) + ": " + why);
       const StepSlots& sl = slots[g];
       segs[g] = kv::Segment{sl.view, rg.pos, rg.T, row, sl.base, sl.write.data(), sl.read.data()};
+      segs[g].view.sinks = sink_logits;
       row += rg.T;
     }
     if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
@@ -207,8 +219,9 @@ Tensor& attend_cached_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
                                             std::to_string(cache->max_write()));
   const Plan p = kv::plan_step(layer, a.pos, a.T, sp.window, ring);
   if (!kv::resize_out(out, a)) return fail(Error::InvalidArgument, "cannot resize out");
-  kv::attend(cache->view(layer), p, q, static_cast<float>(scale), out.mutable_data_ptr(),
-             static_cast<int>(out_dtype));
+  kv::SlotView view = cache->view(layer);
+  view.sinks = sink_logits;
+  kv::attend(view, p, q, static_cast<float>(scale), out.mutable_data_ptr(), static_cast<int>(out_dtype));
   return out;
 }
 

@@ -22,6 +22,7 @@ from torch import nn
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
 from executorch.backends.xnnpack.partition.config.generic_node_configs import GeluConfig, SliceCopyConfig
+from executorch.backends.xnnpack.partition.config.node_configs import MaxDimConfig
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.backends.xnnpack.utils.quant_utils import (
     is_affine_qdq, is_dequant, is_per_channel, is_per_channel_group, tag_as_implicit_q_dq)
@@ -113,6 +114,15 @@ class ExactGeluConfig(GeluConfig):
         return super().check_constraints(node, ep)
 
 
+class LastDimMaxConfig(MaxDimConfig):
+    """max.dim over dim 2 or 3 of a 4-d tensor, written so: XNNPACK's serializer compares the dim as written, so a
+    max over dim -1 (gpt-oss's eager attention with sinks) passes the stock check and then fails the lowering
+    ("amax.default only supports dim == 2 or dim == 3"). Other dims stay on the portable kernel."""
+
+    def check_constraints(self, node: torch.fx.Node, ep) -> bool:
+        return len(node.args) > 1 and node.args[1] in (2, 3) and super().check_constraints(node, ep)
+
+
 class OneDecompositionPartitioner(XnnpackPartitioner):
     """XNNPACK's partitioner, minus a redundant whole-graph decomposition.
 
@@ -144,7 +154,7 @@ def configs() -> list:
     """XNNPACK's partitioner configs with this module's safe ones in place of the stock ones."""
     from pipeline.backends.xnnpack.dynamic_slice import DynamicSliceConfig
     swap = {AddmmConfig: SafeAddmmConfig, MMConfig: SafeMMConfig, LinearConfig: WeightOnlyLinearConfig,
-            GeluConfig: ExactGeluConfig, SliceCopyConfig: DynamicSliceConfig}
+            GeluConfig: ExactGeluConfig, SliceCopyConfig: DynamicSliceConfig, MaxDimConfig: LastDimMaxConfig}
     return [swap.get(c, c) for c in ALL_PARTITIONER_CONFIGS]
 
 

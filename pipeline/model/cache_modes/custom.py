@@ -1,7 +1,7 @@
 """The `custom` KV-cache mode: the cache lives in the program (mutable buffers, one pair per layer) and
 each attention layer calls one fused op that updates it in place and attends.
 
-    llmpipe::cached_attention(q, k, v, k_cache!, v_cache!, position, window, scale) -> out
+    llmpipe::cached_attention(q, k, v, k_cache!, v_cache!, position, window, scale, sinks=None) -> out
 
 - q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (q and k RoPE-rotated); k_cache [slots,Hkv,D],
   v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage); position [T] consecutive.
@@ -10,6 +10,7 @@ each attention layer calls one fused op that updates it in place and attends.
   sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
   ring must satisfy T + w - 1 <= slots (a ring as long as the context never wraps).
 - Out: [1,Hq,T,Dv] in q's dtype; attention in fp32. No expanded K/V copies (GQA is an index).
+- sinks: None, or fp32 [Hq] (gpt-oss): a logit per head that every row's softmax also counts, with a zero value.
 - A KV-shared layer (Gemma 4) has no buffers: `llmpipe::cached_attend(q, k_cache, v_cache, position, window,
   scale)` attends over its source layer's, read-only, for its Tq query rows (possibly the step's last ones).
 - To torch.export the op mutates its cache arguments (the schema says so); ExecuTorch keeps the
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                      kv_source, link_kv_sources, query_positions, step_args)
+                                      kv_source, link_kv_sources, query_positions, sinks_arg, step_args)
 from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
 
 # both: the fused op; one alone: that half of it (pipeline/model/custom_ops.py), as ExecuTorch's llama:: ops allow
@@ -46,7 +47,7 @@ READ_QUALNAME = f"{NAMESPACE}::{READ_OP_NAME}"
 ATTN_IMPL = "llmpipe_custom"
 
 
-def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale: float) -> torch.Tensor:
+def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale: float, sinks=None) -> torch.Tensor:
     """Reference semantics (eager): write this step into the caches in place, then attend."""
     pos, T = check_step(QUALNAME, q, k, v, position)
     slots = k_cache.shape[0]
@@ -68,10 +69,10 @@ def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale
     runs = ring_runs(base, pos + T - base, ring)
     K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)  # [Hkv,S,D]
     V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
-    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype)
+    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype, sinks)
 
 
-def cached_attend_ref(q, k_cache, v_cache, position, window: int, scale: float) -> torch.Tensor:
+def cached_attend_ref(q, k_cache, v_cache, position, window: int, scale: float, sinks=None) -> torch.Tensor:
     """A KV-shared layer (eager): attend over its source layer's buffers, written earlier in this forward,
     without writing; q holds the queries at `position` (possibly only the step's last rows)."""
     pos_list = position.reshape(-1).tolist()
@@ -86,31 +87,31 @@ def cached_attend_ref(q, k_cache, v_cache, position, window: int, scale: float) 
     runs = ring_runs(base, pos + T - base, ring)
     K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)
     V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
-    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype)
+    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype, sinks)
 
 
 def _define() -> None:
-    def eager(q, k, v, k_cache, v_cache, position, window, scale):
-        return cached_attention_ref(q, k, v, k_cache, v_cache, position, int(window), float(scale))
+    def eager(q, k, v, k_cache, v_cache, position, window, scale, sinks=None):
+        return cached_attention_ref(q, k, v, k_cache, v_cache, position, int(window), float(scale), sinks)
 
-    def fake(q, k, v, k_cache, v_cache, position, window, scale):
+    def fake(q, k, v, k_cache, v_cache, position, window, scale, sinks=None):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]))
 
     globals()["_LIB"] = define_op(
         NAMESPACE, OP_NAME, "Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor position, "
-        "int window, float scale", "c", eager, fake)
+        "int window, float scale, Tensor? sinks=None", "c", eager, fake)
 
 
 def _define_readonly() -> None:
-    def eager(q, k_cache, v_cache, position, window, scale):
-        return cached_attend_ref(q, k_cache, v_cache, position, int(window), float(scale))
+    def eager(q, k_cache, v_cache, position, window, scale, sinks=None):
+        return cached_attend_ref(q, k_cache, v_cache, position, int(window), float(scale), sinks)
 
-    def fake(q, k_cache, v_cache, position, window, scale):
+    def fake(q, k_cache, v_cache, position, window, scale, sinks=None):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v_cache.shape[2]))
 
     globals()["_LIB_READ"] = define_op(
-        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor k_cache, Tensor v_cache, Tensor position, int window, float scale",
-        "a", eager, fake)
+        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor k_cache, Tensor v_cache, Tensor position, int window, float scale, "
+        "Tensor? sinks=None", "a", eager, fake)
 
 
 if not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
@@ -150,10 +151,10 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if src is not module:
         # a KV-shared layer: its source wrote this step; HF may keep only the step's last rows for it
         out = torch.ops.llmpipe.cached_attend(query, src.k_cache, src.v_cache, query_positions(positions, query),
-                                              src.kv_window, scaling)
+                                              src.kv_window, scaling, sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
     out = torch.ops.llmpipe.cached_attention(query, key, value, module.k_cache, module.v_cache,
-                                             positions.reshape(-1), module.kv_window, scaling)
+                                             positions.reshape(-1), module.kv_window, scaling, sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,9 +1,10 @@
 """The `offgraph` KV-cache mode: attention layers call one op, the cache lives in the runtime.
 
-    llmpipe::update_and_attend(q, k, v, position, cache_id, scale, out_dtype) -> out
+    llmpipe::update_and_attend(q, k, v, position, cache_id, scale, out_dtype, sinks=None) -> out
 
 - q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv] (q and k already RoPE-rotated, Hq % Hkv == 0),
   position [T] (or [T,1]) int, contiguous positions pos..pos+T-1; returns [B,Hq,T,Dv] in out_dtype.
+- sinks: None, or fp32 [Hq] (gpt-oss): a logit per head that every row's softmax also counts, with a zero value.
 - To the tracer the op is functional (no mutated args; the fake impl returns an empty tensor of the
   output shape), so the exported graph has no buffers and no mutations: one op per attention layer.
   `llmpipe::update_and_attend.out` is the out variant that `to_executorch` emits.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                      step_args)
+                                      sinks_arg, step_args)
 from pipeline.model.kv_layout import cache_layout
 from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)
@@ -44,7 +45,7 @@ READ_QUALNAME = f"{NAMESPACE}::{READ_OP_NAME}"
 ATTN_IMPL = "llmpipe_offgraph"  # the HF attention-implementation name the wrapper switches to
 
 
-def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float, out_dtype) -> torch.Tensor:
+def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float, out_dtype, sinks=None) -> torch.Tensor:
     """Reference semantics: write, then attend over the cached history (fp32)."""
     pos, T = check_step(QUALNAME, q, k, v, position)
     spec = cache.specs[cache_id] if 0 <= cache_id < len(cache.specs) else None
@@ -55,10 +56,11 @@ def attend(cache: OffgraphCache, q, k, v, position, cache_id: int, scale: float,
     plan = cache.plan(cache_id, pos, T)
     cache.write(plan, k[0], v[0])
     K, V = cache.gather(plan)                                    # [Hkv,S,D], [Hkv,S,Dv]
-    return attend_gathered(q, K, V, pos, plan.base, spec.window, scale, out_dtype)
+    return attend_gathered(q, K, V, pos, plan.base, spec.window, scale, out_dtype, sinks)
 
 
-def attend_readonly(cache: OffgraphCache, q, position, cache_id: int, scale: float, out_dtype) -> torch.Tensor:
+def attend_readonly(cache: OffgraphCache, q, position, cache_id: int, scale: float, out_dtype,
+                    sinks=None) -> torch.Tensor:
     """A KV-shared layer: attend over cache `cache_id` (its source layer's, written earlier in this forward)
     without writing; queries at the positions given (the last T_q of the step)."""
     T = q.shape[2]
@@ -70,39 +72,39 @@ def attend_readonly(cache: OffgraphCache, q, position, cache_id: int, scale: flo
     if spec.head_dim != q.shape[3] or q.shape[1] % spec.kv_heads:
         raise OffgraphCacheError(f"cache {cache_id} holds {spec} but the query is {tuple(q.shape)}")
     K, V = cache.gather(plan)
-    return attend_gathered(q, K, V, plan.pos, plan.base, spec.window, scale, out_dtype)
+    return attend_gathered(q, K, V, plan.pos, plan.base, spec.window, scale, out_dtype, sinks)
 
 
 def _define() -> None:
-    def eager(q, k, v, position, cache_id, scale, out_dtype):
+    def eager(q, k, v, position, cache_id, scale, out_dtype, sinks=None):
         try:
             cache = bound_cache()
         except OffgraphCacheError as e:
             raise OffgraphCacheError(f"{QUALNAME}: {e}") from None
-        return attend(cache, q, k, v, position, int(cache_id), float(scale), out_dtype)
+        return attend(cache, q, k, v, position, int(cache_id), float(scale), out_dtype, sinks)
 
-    def fake(q, k, v, position, cache_id, scale, out_dtype):
+    def fake(q, k, v, position, cache_id, scale, out_dtype, sinks=None):
         return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=out_dtype)
 
     globals()["_LIB"] = define_op(
         NAMESPACE, OP_NAME, "Tensor q, Tensor k, Tensor v, Tensor position, int cache_id, float scale, "
-        "ScalarType out_dtype", "a", eager, fake)
+        "ScalarType out_dtype, Tensor? sinks=None", "a", eager, fake)
 
 
 def _define_readonly() -> None:
-    def eager(q, position, cache_id, scale, out_dtype):
+    def eager(q, position, cache_id, scale, out_dtype, sinks=None):
         try:
             cache = bound_cache()
         except OffgraphCacheError as e:
             raise OffgraphCacheError(f"{READ_QUALNAME}: {e}") from None
-        return attend_readonly(cache, q, position, int(cache_id), float(scale), out_dtype)
+        return attend_readonly(cache, q, position, int(cache_id), float(scale), out_dtype, sinks)
 
-    def fake(q, position, cache_id, scale, out_dtype):
+    def fake(q, position, cache_id, scale, out_dtype, sinks=None):
         return q.new_empty(q.shape, dtype=out_dtype)
 
     globals()["_LIB_READ"] = define_op(
-        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor position, int cache_id, float scale, ScalarType out_dtype",
-        "a", eager, fake)
+        NAMESPACE, READ_OP_NAME, "Tensor q, Tensor position, int cache_id, float scale, ScalarType out_dtype, "
+        "Tensor? sinks=None", "a", eager, fake)
 
 
 if not hasattr(torch.ops, NAMESPACE) or not hasattr(getattr(torch.ops, NAMESPACE), OP_NAME):
@@ -148,10 +150,10 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
         # a KV-shared layer: key/value are its source's, already in the cache; HF may have kept only the
         # last rows of the step for it (logits_to_keep), so its queries sit at the step's last positions
         out = torch.ops.llmpipe.attend_cached(query, positions.reshape(-1)[-query.shape[2]:], cache_id,
-                                              scaling, query.dtype)
+                                              scaling, query.dtype, sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
     out = torch.ops.llmpipe.update_and_attend(query, key, value, positions.reshape(-1), cache_id,
-                                              scaling, query.dtype)
+                                              scaling, query.dtype, sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 
