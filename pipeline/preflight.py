@@ -22,7 +22,7 @@ from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.model.kv_layout import geometry_layout, ring_slots
-from pipeline.model.archs import ROLES
+from pipeline.model.archs import ROLES, UnsupportedArch
 from pipeline.model.quantization import head_scheme, override_matches
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
@@ -40,6 +40,8 @@ def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optio
     geometry, problems = None, []
     try:
         geometry = (geometry_fn or sources.geometry)(cfg.model)
+    except UnsupportedArch as err:  # read from config.json (or the GGUF header) alone: no weights, no download
+        problems.append((err.key, err.name, err.why))
     except PipelineError as err:
         problems.append((_source_key(cfg.model), _source_value(cfg.model), str(err).split(": ", 1)[-1]))
     chosen = fit(cfg, geometry)
@@ -50,7 +52,7 @@ def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optio
     if not is_inside_outputs(cfg.run.output_dir):
         problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
     if geometry is not None:
-        problems += arch_problems(geometry) + geometry_problems(cfg, geometry)
+        problems += arch_problems(cfg, geometry) + geometry_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)
         problems += memory_problems(cfg, geometry, total_bytes or psutil.virtual_memory().total)
     if problems:
@@ -293,9 +295,21 @@ def override_problems(q, g: Geometry) -> Problems:
     return out
 
 
-def arch_problems(g: Geometry) -> Problems:
-    """What the model's config asks that its architecture's entry does not build (pipeline/model/archs)."""
-    return [(f"config.json {key}", value, f"{g.arch}: {why}") for key, value, why in g.problems]
+def arch_problems(cfg, g: Geometry) -> Problems:
+    """What the model's config asks that its architecture's entry does not build (pipeline/model/archs), and what
+    the backend, the cache mode or the dtype cannot build of this architecture."""
+    out = [(f"config.json {key}", value, f"{g.arch}: {why}") for key, value, why in g.problems]
+    arch, name = g.entry, f"{g.arch} ({g.entry.family})"
+    why = BACKENDS[cfg.backend.name].refuses_arch(arch)
+    if why:
+        out.append(("backend.name", v(cfg.backend.name), f"cannot build {name}: {why}"))
+    why = CACHE_MODES[cfg.cache.mode].refuses_arch(arch, flags(cfg.cache))
+    if why:
+        out.append(("cache.mode", v(cfg.cache.mode), f"cannot build {name}: {why}"))
+    if arch.experts is not None and v(cfg.export.dtype) != "fp32":
+        out.append(("export.dtype", v(cfg.export.dtype), f"{name}: the experts' kernel (llmpipe::experts) computes "
+                    "in fp32: allowed ['fp32']"))
+    return out
 
 
 def _common_divisors(values) -> list[int]:

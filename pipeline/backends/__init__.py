@@ -12,6 +12,7 @@ Each declares:
                                 export.dtype (gemm: a linear's weight), or None (preflight asks)
     refuses_cache(mode, flags) -- why it cannot build a cache mode with these custom-op flags, or None
     refuses_kv_dtype()       -- why it cannot store an in-graph cache as cache.kv_dtype says, or None
+    refuses_arch(arch)       -- why it cannot build a model of this architecture's entry (pipeline/model/archs), or None
     setup()                  -- register the ops its programs and its lowering need
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower

@@ -31,6 +31,11 @@ def refuses_kv_dtype() -> str | None:
     return None
 
 
+def refuses_arch(arch) -> str | None:
+    """Why it cannot build a model of this architecture (None: every op outside a delegate runs here)."""
+    return None
+
+
 def setup() -> None:
     pass
 

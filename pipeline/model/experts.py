@@ -40,18 +40,14 @@ class Expert(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-class ExpertBank(nn.Module):
-    """A layer's experts; forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H], as HF's.
-    Eager only: export packs it for the llmpipe::experts op (PackedExperts, below)."""
-
-    def __init__(self, experts: list[Expert], top_k: int):
-        super().__init__()
-        self.experts = nn.ModuleList(experts)
-        self.top_k = top_k
+class ExpertBank(nn.ModuleList):
+    """A layer's experts, a list (expert e's linears are named `<bank>.<e>.gate_proj`, as the geometry lists them);
+    forward(hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H], as HF's bank. Eager only: export
+    packs it for the llmpipe::experts op (PackedExperts, below)."""
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
-        for e, expert in enumerate(self.experts):
+        for e, expert in enumerate(self):
             rows, slots = torch.nonzero(top_k_index == e, as_tuple=True)
             if rows.numel():  # an expert no row picked runs nothing
                 y = expert(hidden[rows]) * top_k_weights[rows, slots].unsqueeze(-1).to(hidden.dtype)
@@ -91,7 +87,6 @@ def rewrite_experts(model: nn.Module) -> int:
     if a.experts is None:
         return 0
     config = model.config.get_text_config()
-    top_k = getattr(config, a.experts.top_k_key)
     count = 0
     for layer in a.decoder_layers(model):
         if not a.has_experts(layer):
@@ -101,7 +96,7 @@ def rewrite_experts(model: nn.Module) -> int:
         if isinstance(bank, ExpertBank):
             continue
         n = getattr(config, a.experts.count_key)
-        setattr(block, a.experts.bank, ExpertBank([_expert(bank, a.experts, e) for e in range(n)], top_k))
+        setattr(block, a.experts.bank, ExpertBank([_expert(bank, a.experts, e) for e in range(n)]))
         count += 1
     return count
 
@@ -198,12 +193,12 @@ class PackedExperts(nn.Module):
 
     def __init__(self, bank: ExpertBank):
         super().__init__()
-        first = bank.experts[0]
+        first = bank[0]
         self.activation = ACTIVATIONS[first.activation]
         self.limit, self.alpha = first.limit, first.alpha
         self.act_quant = []
         for role in PROJECTIONS:
-            w, s, b, aq = _packed([getattr(x, archs.EXPERT_LINEARS[role]) for x in bank.experts])
+            w, s, b, aq = _packed([getattr(x, archs.EXPERT_LINEARS[role]) for x in bank])
             for part, t in (("w", w), ("s", s), ("b", b)):
                 self.register_buffer(f"{role}_{part}", t)
             self.act_quant.append(int(aq))

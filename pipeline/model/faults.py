@@ -43,7 +43,7 @@ def _mlp_linears(model: nn.Module, layer: int, role: str) -> list[tuple[nn.Linea
     mlp = a.mlp_module(decoder)
     if a.has_experts(decoder):
         return [(getattr(x, archs.EXPERT_LINEARS[role]), 0, getattr(x, archs.EXPERT_LINEARS[role]).out_features)
-                for x in getattr(mlp, a.experts.bank).experts]
+                for x in getattr(mlp, a.experts.bank)]
     if role == "up" and a.mlp.gate_up:
         fused = getattr(mlp, a.mlp.gate_up)
         return [(fused, fused.out_features // 2, fused.out_features // 2)]

@@ -11,7 +11,7 @@ from pipeline.model import archs
 
 def load_hf_model(model_dir: Path, dtype: str = "fp32", exportable: bool = False) -> nn.Module:
     """The model with HF's own modules and its entry's reference attention (sdpa, or eager where HF has no sdpa
-    path); `exportable`: with the entry's rewrites applied (experts as linears, pipeline/model/experts.py)."""
+    path); `exportable`: with the rewrites that make it export (pipeline/model/exportable.py)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     arch = archs.lookup(AutoConfig.from_pretrained(model_dir).get_text_config().model_type)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
@@ -22,6 +22,6 @@ def load_hf_model(model_dir: Path, dtype: str = "fp32", exportable: bool = False
         if isinstance(m, nn.Embedding):
             m.padding_idx = None
     if exportable:
-        from pipeline.model.experts import rewrite_experts
-        rewrite_experts(model)
+        from pipeline.model.exportable import make_exportable
+        make_exportable(model)
     return model

@@ -64,7 +64,7 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
     if a.has_experts(layer):
         router = getattr(mlp, a.experts.router)
         bank = getattr(mlp, a.experts.bank)
-        return router, [router.weight] + [w for e in bank.experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+        return router, [router.weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
     linears = [m for m in (_linear(mlp, a.mlp.gate_up),) if m] or \
         [m for m in (_linear(mlp, a.mlp.gate), _linear(mlp, a.mlp.up)) if m]
     return (linears[0] if linears else None), [m.weight for m in linears]
@@ -78,7 +78,7 @@ def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
             return []
         bank = getattr(mlp, a.experts.bank)
         return [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
-                for e, x in enumerate(bank.experts)]
+                for e, x in enumerate(bank)]
     down = _linear(mlp, a.mlp.down)
     fused = _linear(mlp, a.mlp.gate_up)
     up = Rows(fused, fused.out_features // 2, fused.out_features) if fused else Rows(_linear(mlp, a.mlp.up))

@@ -72,6 +72,14 @@ def gguf_location(m) -> tuple[Optional[Path], list[Path], Optional[Callable]]:
                       "distribution that ships one)")
 
 
+def _readable(read: Callable[[], Geometry], key: str) -> Geometry:
+    """A config.json that transformers cannot take (a missing or malformed field) is the source's problem."""
+    try:
+        return read()
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SourceError(f"{key}: config.json: {type(e).__name__}: {e}") from None
+
+
 def geometry(m) -> Geometry:
     """Geometry of the configured model; raises SourceError with the offending key."""
     source = getattr(m.source, "value", m.source)
@@ -83,7 +91,7 @@ def geometry(m) -> Geometry:
     if source == "local":
         if not m.path or not (Path(m.path).expanduser() / "config.json").is_file():
             raise SourceError(f"model.path={m.path!r}: not a folder with a config.json (source=local)")
-        return from_config_json(Path(m.path).expanduser() / "config.json")
+        return _readable(lambda: from_config_json(Path(m.path).expanduser() / "config.json"), f"model.path={m.path!r}")
     if source == "gguf":
         _, header, _ = gguf_location(m)
         try:
@@ -92,5 +100,5 @@ def geometry(m) -> Geometry:
             raise SourceError(f"model.path/package: cannot read GGUF metadata: {e}") from None
     if source == "hf":
         from pipeline.model.hub import fetch_config
-        return from_config_json(fetch_config(m))
+        return _readable(lambda: from_config_json(fetch_config(m)), f"model.repo_id={m.repo_id!r}")
     raise SourceError(f"model.source={source!r}: allowed: hf, local, gguf, random")

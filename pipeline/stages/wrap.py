@@ -14,7 +14,7 @@ import torch
 from pipeline.abi import DTYPES
 from pipeline.config import v
 from pipeline.model.cache_modes import flags, wrap
-from pipeline.model.experts import rewrite_experts
+from pipeline.model.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
@@ -40,7 +40,7 @@ def run(ctx) -> dict:
         model = load_hf_model(model_dir, v(e.dtype))
     with spinner("HF forward (the self-check's reference)", ctx.progress):
         ids, kept, prefill = hf_reference(model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
-    rewritten = rewrite_experts(model)  # after HF's own forward gave the reference: the check covers the rewrite
+    rewritten = make_exportable(model)  # after HF's own forward gave the reference: the check covers the rewrites
     mode = v(ctx.cfg.cache.mode)
     logits_mode = v(e.logits_mode)
     dtype = v(e.dtype)
@@ -62,7 +62,7 @@ def run(ctx) -> dict:
         "cache_mode": mode, "cache_flags": flags(ctx.cfg.cache), "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
         "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
-        "vocab_size": g.vocab_size, "arch": g.arch, "experts_rewritten": rewritten, "self_check": check,
+        "vocab_size": g.vocab_size, "arch": g.arch, "rewrites": rewritten, "self_check": check,
     }
     (ctx.out / "wrap.json").write_text(json.dumps(spec, indent=2))
     return {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"]}

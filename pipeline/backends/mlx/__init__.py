@@ -51,6 +51,17 @@ def refuses_kv_dtype() -> str | None:
     return "MLX's cache ops (mlx::kv_cache_update, mlx::custom_sdpa) keep the activation dtype"
 
 
+def refuses_arch(arch) -> str | None:
+    """Why it cannot build a model of this architecture (None: it can). A program must be MLX delegate calls only
+    (the MLX runtime runs nothing else): a MoE layer's experts (our llmpipe::experts op) have no MLX form here yet,
+    nor do attention sinks (the delegate's SDPA node has no sink logits)."""
+    if arch.experts is not None:
+        return "mixture-of-experts layers: their experts run in our llmpipe::experts kernel, which MLX cannot call"
+    if arch.attention.sinks:
+        return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
+    return None
+
+
 def setup() -> None:
     from pipeline.backends.mlx import schema
     schema.ensure()  # the wheel lacks the generated schema modules until this runs once

@@ -59,6 +59,12 @@ def refuses_kv_dtype() -> str | None:
     return None
 
 
+def refuses_arch(arch) -> str | None:
+    """Why it cannot build a model of this architecture (None: what XNNPACK leaves, our kernels and the portable
+    ones run: the experts' llmpipe::experts, attention sinks in the cache modes' ops)."""
+    return None
+
+
 def setup() -> None:
     pass
 

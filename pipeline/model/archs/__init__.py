@@ -29,7 +29,12 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
 
 class UnsupportedArch(PipelineError):
+    """A model_type (or GGUF architecture) outside the registry: `name` it, `why` not, with the supported list."""
     exit_code = 2
+
+    def __init__(self, key: str, name, why: str):
+        super().__init__(f"{key}={name!r}: {why}")
+        self.key, self.name, self.why = key, name, why
 
 
 def _config_layer_kinds(config) -> list[str]:
@@ -184,8 +189,8 @@ def lookup(model_type: Optional[str]) -> Arch:
     """The entry of an HF model_type; refused with the supported list otherwise."""
     if model_type in ARCHS:
         return ARCHS[model_type]
-    raise UnsupportedArch(f"model_type {model_type!r} is not supported by this pipeline (no pipeline/model/archs/"
-                          f"{model_type}.py). Supported: {sorted(ARCHS)}")
+    raise UnsupportedArch("config.json model_type", model_type, f"model_type {model_type!r} is not supported by this "
+                          f"pipeline (no pipeline/model/archs/{model_type}.py). Supported: {sorted(ARCHS)}")
 
 
 def for_gguf(general_arch: str) -> Arch:
@@ -193,8 +198,8 @@ def for_gguf(general_arch: str) -> Arch:
     for arch in ARCHS.values():
         if (arch.gguf_arch or arch.model_type) == general_arch:
             return arch
-    raise UnsupportedArch(f"GGUF general.architecture {general_arch!r} is not supported by this pipeline. "
-                          f"Supported: {sorted(a.gguf_arch or a.model_type for a in ARCHS.values())}")
+    raise UnsupportedArch("GGUF general.architecture", general_arch, f"GGUF architecture {general_arch!r} is not "
+                          f"supported by this pipeline. Supported: {sorted(a.gguf_arch or a.model_type for a in ARCHS.values())}")
 
 
 def of_model(model) -> Arch:

@@ -1,4 +1,4 @@
-"""Gemma 4 (text): Gemma 3's norms plus value norms, global layers with their own head dim and KV heads (values = keys
+"""Gemma 4 (text): Gemma 3's norm placement (but its norms scale by the weight itself) plus value norms, global layers with their own head dim and KV heads (values = keys
 with attention_k_eq_v), KV-shared trailing layers, per-layer input embeddings, double-wide MLPs on shared layers."""
 from pipeline.model.archs import Arch, Attention, Norms, PerLayer
 
@@ -19,7 +19,7 @@ def random_config(r, common: dict) -> dict:
 
 
 ARCH = Arch(family="Gemma 4", attention=Attention(qk_norm="head", v_norm=True),
-            norms=Norms(placement="sandwich", mlp_input="pre_feedforward_layernorm", offset=1.0),
+            norms=Norms(placement="sandwich", mlp_input="pre_feedforward_layernorm"),  # scale by weight, not 1 + w
             per_layer=PerLayer(), rotary="rope; proportional partial rope on global layers",
             embedding_scale="sqrt(hidden)", logits="final softcap",
             refuses=(("enable_moe_block", bool, "Gemma 4's mixture-of-experts block is not built yet"),),

@@ -9,6 +9,7 @@ Each module declares:
     exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
     kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
+    refuses_arch(arch, flags) -> str | None -- why the mode cannot build a model of this architecture's entry
     wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->
                               logits (kv_dtype: a torch dtype for the K/V buffers, or None)
     constant_methods(text_config, context, chunk, flags) -> the constant methods the mode adds to the .pte

@@ -216,3 +216,11 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
     if flags["custom_kv_cache"]:
         return custom_ops.UpdateCacheLM(model, context, logits_mode)
     raise ValueError(f"cache.mode=custom needs custom_sdpa and/or custom_kv_cache, got {flags}")
+
+
+def refuses_arch(arch, flags: dict) -> str | None:
+    """The fused op takes sinks; either op alone attends with HF's or llmpipe::sdpa's softmax, which has none."""
+    if arch.attention.sinks and not fused(flags):
+        return ("attention sinks need both custom_sdpa and custom_kv_cache (the fused op takes them; "
+                "either op alone does not)")
+    return None

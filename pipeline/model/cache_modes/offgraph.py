@@ -198,3 +198,7 @@ def kv_dtype_refused(flags: dict) -> str | None:
 
 def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict, kv_dtype=None) -> nn.Module:
     return OffgraphLM(model, context, logits_mode, prefill_chunk=chunk)
+
+
+def refuses_arch(arch, flags: dict) -> str | None:
+    return None  # its ops take sinks

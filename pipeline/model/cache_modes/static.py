@@ -98,3 +98,7 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
     return {}
+
+
+def refuses_arch(arch, flags: dict) -> str | None:
+    return None  # HF's own attention (sinks too: gpt-oss's eager attention)

@@ -155,6 +155,22 @@ class Interpreter:
     def op_ConcatenateNode(self, n, st):
         st.t[_tid(n["out"])] = _mx().concatenate([st.tensor(t) for t in n["tensors"]], axis=n.get("axis", 0))
 
+    def op_StackNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().stack([st.tensor(t) for t in n["tensors"]], axis=n.get("axis", 0))
+
+    def op_SplitNode(self, n, st):
+        """Chunks along an axis: one size per output (split_with_sizes), or one size for every chunk, the last
+        smaller (split)."""
+        x = st.tensor(n["x"])
+        axis = _axis(n.get("axis", 0), x.ndim)
+        sizes = st.ints(n["sizes"])
+        if len(sizes) == 1 and len(n["outs"]) > 1:
+            sizes = [min(sizes[0], x.shape[axis] - i * sizes[0]) for i in range(len(n["outs"]))]
+        start = 0
+        for out, size in zip(n["outs"], sizes):
+            st.t[_tid(out)] = x[_index(x.ndim, axis, slice(start, start + size))]
+            start += size
+
     def op_SliceNode(self, n, st):
         x = st.tensor(n["x"])
         axis, start, stop = _slice_bounds(x, st.int(n["axis"]), st.int(n["start"]), st.int(n["stop"]))
