@@ -125,15 +125,33 @@ def _quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, s, b, act_quant: bool) -> torch.Tensor:
+    """fp32(x W^T + b), the sums (and the group scales) in float64: the kernel's rounding, whatever the order."""
     if act_quant:
         x = _quant_dequant_rows(x)
-    wf = w.float() if s is None else w.float() * s.repeat_interleave(w.shape[-1] // s.shape[-1], -1)
-    return F.linear(x, wf, b)
+    xd, wd = x.double(), w.double()
+    if s is None:
+        y = xd @ wd.T
+    else:
+        groups = s.shape[-1]
+        dots = torch.einsum("ngk,ogk->nog", xd.reshape(len(x), groups, -1), wd.reshape(len(w), groups, -1))
+        y = (dots * s.double()).sum(-1)
+    return (y if b is None else y + b.double()).float()
+
+
+def _activate(g: torch.Tensor, u: torch.Tensor, activation: int, limit: float, alpha: float) -> torch.Tensor:
+    """The gated activation in float64, rounded once (the kernel's)."""
+    if activation == ACTIVATIONS["clamped_swiglu"]:
+        g, u = g.clamp(max=limit).double(), u.clamp(min=-limit, max=limit).double()
+        alpha = float(torch.tensor(alpha, dtype=torch.float32))
+        return ((u + 1) * (g / (1 + torch.exp(-g * alpha)))).float()
+    g = g.double()
+    return (g / (1 + torch.exp(-g)) * u.double()).float()
 
 
 def experts_ref(hidden, top_k_index, top_k_weights, gate_w, gate_s, gate_b, up_w, up_s, up_b, down_w, down_s, down_b,
                 act_quant, activation: int, limit: float, alpha: float) -> torch.Tensor:
-    """The op's semantics in torch (eager; the C++ kernel's twin)."""
+    """The op's semantics in torch (eager; the C++ kernel's twin, rounding where it rounds: the activations'
+    quantization in fp32 as torchao's, each projection and the activation in float64, the weighted sum in fp32)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32)
     x_all = hidden.float()
     for e in range(gate_w.shape[0]):
@@ -144,11 +162,7 @@ def experts_ref(hidden, top_k_index, top_k_weights, gate_w, gate_s, gate_b, up_w
         pick = (lambda t: None if t is None else t[e])  # noqa: E731
         g = _project(x, gate_w[e], pick(gate_s), pick(gate_b), bool(act_quant[0]))
         u = _project(x, up_w[e], pick(up_s), pick(up_b), bool(act_quant[1]))
-        if activation == ACTIVATIONS["clamped_swiglu"]:
-            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
-            a = (u + 1) * (g * torch.sigmoid(g * alpha))
-        else:
-            a = F.silu(g) * u
+        a = _activate(g, u, activation, float(limit), float(alpha))
         y = _project(a, down_w[e], pick(down_s), pick(down_b), bool(act_quant[2]))
         out.index_add_(0, rows, y * top_k_weights[rows, slots].float().unsqueeze(-1))
     return out.to(hidden.dtype)
@@ -200,7 +214,10 @@ class PackedExperts(nn.Module):
         for role in PROJECTIONS:
             w, s, b, aq = _packed([getattr(x, archs.EXPERT_LINEARS[role]) for x in bank])
             for part, t in (("w", w), ("s", s), ("b", b)):
-                self.register_buffer(f"{role}_{part}", t)
+                if t is None:  # a plain None, not a None buffer: torch.export miscounts those at the root
+                    setattr(self, f"{role}_{part}", None)
+                else:
+                    self.register_buffer(f"{role}_{part}", t)
             self.act_quant.append(int(aq))
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@
 //   s [E,out,in/group] Float group scales; b [E,out] Float or none. act_quant[p]: the projection's input rows
 //   are quantized to int8 first, asymmetric per row, as torchao's dynamic 8da linears do (its twin calls torchao's).
 //   activation 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (limit, alpha). out [N,H] Float.
+// Numerics, which the twin follows: activation quantization in fp32 as torchao's; each projection's sums and the
+// activation in float64, rounded to fp32 once; the weighted sum over a token's experts in fp32, in expert order.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -86,38 +88,35 @@ void quant_dequant_rows(float* x, int64_t n, int64_t in) {
   }
 }
 
-float dot(const float* x, const float* w, int64_t n) {
-  float acc = 0.f;
+// Sums in float64, rounded to fp32 once: every product of an fp32 and a weight is exact in float64, and a sum of
+// them differs from the twin's (torch's float64 matmul, in its own order) by far less than an fp32 step, so the two
+// give the same fp32 bits but at the rarest ties, wherever the order.
+template <class W>
+double dot(const float* x, const W* w, int64_t n) {
+  double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += x[i] * w[i];
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(x[i]) * static_cast<double>(w[i]);
   return acc;
 }
 
-float dot(const float* x, const int8_t* w, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += x[i] * static_cast<float>(w[i]);
-  return acc;
-}
-
-// y [n][out] = x [n][in] W_e^T + b_e, output rows shared out over the thread pool
+// y [n][out] = fp32(x [n][in] W_e^T + b_e), the group sums scaled in float64; output rows over the thread pool
 void project(const Proj& p, int64_t e, const float* x, int64_t n, float* y) {
   const int64_t in = p.in, group = in / p.groups;
   auto rows = [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
       const int64_t row = e * p.out + o;
-      const float bias = p.b ? p.b[row] : 0.f;
+      const double bias = p.b ? p.b[row] : 0.0;
       for (int64_t r = 0; r < n; ++r) {
         const float* xr = x + r * in;
-        float acc = 0.f;
+        double acc = 0.0;
         if (p.wf) {
           acc = dot(xr, p.wf + row * in, in);
         } else {
           const int8_t* w = p.wq + row * in;
           const float* s = p.s + row * p.groups;
-          for (int64_t g = 0; g < p.groups; ++g) acc += s[g] * dot(xr + g * group, w + g * group, group);
+          for (int64_t g = 0; g < p.groups; ++g) acc += static_cast<double>(s[g]) * dot(xr + g * group, w + g * group, group);
         }
-        y[r * p.out + o] = acc + bias;
+        y[r * p.out + o] = static_cast<float>(acc + bias);
       }
     }
   };
@@ -166,7 +165,8 @@ Tensor& experts_out(KernelRuntimeContext& ctx, const Tensor& hidden, const Tenso
   std::fill(o, o + N * H, 0.f);
   std::vector<int64_t> picks;  // (token, slot) entries that picked expert e, as token * k + slot
   std::vector<float> x, x2, g, u, y;
-  const float lim = static_cast<float>(limit), al = static_cast<float>(alpha);
+  const float lim = static_cast<float>(limit);
+  const double al = static_cast<double>(static_cast<float>(alpha));
   for (int64_t e = 0; e < E; ++e) {
     picks.clear();
     for (int64_t i = 0; i < N * k; ++i)
@@ -183,17 +183,18 @@ Tensor& experts_out(KernelRuntimeContext& ctx, const Tensor& hidden, const Tenso
     g.resize(n * I), u.resize(n * I), y.resize(n * H);
     project(gate, e, gate.act_quant ? x2.data() : xg, n, g.data());
     project(up, e, up.act_quant ? x2.data() : xg, n, u.data());
-    for (int64_t i = 0; i < n * I; ++i) {
+    for (int64_t i = 0; i < n * I; ++i) {  // in float64, rounded once (the twin: the same)
       if (activation == 1) {
-        const float gi = std::min(g[i], lim), ui = std::clamp(u[i], -lim, lim);
-        g[i] = (ui + 1.f) * (gi / (1.f + std::exp(-gi * al)));
+        const double gi = std::min(g[i], lim), ui = std::clamp(u[i], -lim, lim);
+        g[i] = static_cast<float>((ui + 1.0) * (gi / (1.0 + std::exp(-gi * al))));
       } else {
-        g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+        const double gi = g[i];
+        g[i] = static_cast<float>(gi / (1.0 + std::exp(-gi)) * u[i]);
       }
     }
     if (down.act_quant) quant_dequant_rows(g.data(), n, I);
     project(down, e, g.data(), n, y.data());
-    for (int64_t r = 0; r < n; ++r) {
+    for (int64_t r = 0; r < n; ++r) {  // fp32, a product then a sum (no fma: built with -ffp-contract=off)
       const float w = wts[picks[r]];
       float* dst = o + (picks[r] / k) * H;
       for (int64_t c = 0; c < H; ++c) dst[c] += w * y[r * H + c];
