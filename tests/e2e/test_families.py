@@ -75,6 +75,20 @@ def test_every_supported_cell_builds_and_verifies(model_type, backend, mode, sch
     check(build_family(model_type, backend, mode, scheme), backend)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["quantize=4w", "quantize=8w", "quantize=8da4w",
+                                    "quantize=8da4w quantize.linear=8da8w quantize.linear_group_size=0"])
+@pytest.mark.parametrize("model_type", ["phi3", "glm4", "qwen3_moe"])
+def test_fused_projections_and_experts_take_every_scheme(model_type, scheme):
+    """Phi-3's fused qkv and gate_up, GLM-4's fused gate_up, Qwen3-MoE's experts: each linear scheme alone."""
+    from pipeline.session import build
+    cfg = compose_cfg(*tiny_overrides(model_type), *scheme.split(), "export.max_context_len=96",
+                      "verify.max_new_tokens=12", "run.progress=false")
+    for gate in ("exact", "half", "dynamic"):
+        cfg.verify[gate].vs_float = OmegaConf.structured(Thresholds)
+    check(build(cfg, recipe=f"scheme {model_type} {scheme}"), "xnnpack")
+
+
 def test_the_ci_cells_are_supported_cells():
     assert {c[:3] for c in CI_CELLS} <= set(supported_cells())
     kinds = {"fused": "phi3", "post-norm": "olmo2", "experts": "qwen3_moe", "sinks": "gpt_oss"}

@@ -22,8 +22,12 @@ from pipeline.paths import ROOT
 from pipeline.stages.wrap import compare, hf_reference
 from tests.helpers import compose_cfg
 
-TYPES = sorted(archs.ARCHS)
 OWN_CONF = {"gemma3_text": "tiny_gemma3", "gemma4_text": "tiny_gemma4"}
+# config variants a family ships that its tiny model does not have: Llama 3.2's llama3 rope scaling
+VARIANTS = {"llama3_rope": ("llama", {"rope_parameters": {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16}})}
+TYPES = sorted(archs.ARCHS) + sorted(VARIANTS)
 
 
 def tiny_overrides(model_type: str) -> list[str]:
@@ -34,16 +38,19 @@ def tiny_overrides(model_type: str) -> list[str]:
 
 
 def tiny_config(model_type: str):
+    """The tiny model's HF config: an entry's, or a variant's (its entry's with the variant's fields)."""
     from transformers import AutoConfig
-    d = dict(sources.random_hf_config(compose_cfg(*tiny_overrides(model_type)).model.random))
+    base, extra = VARIANTS.get(model_type, (model_type, {}))
+    d = dict(sources.random_hf_config(compose_cfg(*tiny_overrides(base)).model.random), **extra)
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 
 def tiny_model(model_type: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
+    config = tiny_config(model_type)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32,
-                                             attn_implementation=archs.ARCHS[model_type].reference_attention)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=archs.lookup(config.model_type).reference_attention)
     return model.eval()
 
 
@@ -101,7 +108,7 @@ def test_smoothing_and_fusing_keep_the_float_function(model_type):
     assert (after - smoothed).abs().max() < 1e-5 * scale, (model_type, fused)
 
 
-@pytest.mark.parametrize("model_type", [t for t in TYPES if archs.ARCHS[t].experts is not None])
+@pytest.mark.parametrize("model_type", [t for t in sorted(archs.ARCHS) if archs.ARCHS[t].experts is not None])
 def test_a_token_runs_only_its_top_k_experts(model_type):
     from pipeline.model.experts import ExpertBank, PackedExperts
     model = tiny_model(model_type)

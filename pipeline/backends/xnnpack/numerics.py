@@ -339,7 +339,8 @@ def reference(module: nn.Module, unsigned: bool | None = None, copy_first: bool 
     unsigned = unsigned_activations() if unsigned is None else unsigned
     ref = copy.deepcopy(module) if copy_first else module
     # a MoE layer's experts run in our kernel (llmpipe::experts): its twin computes what it computes
-    pack_experts(ref.model)
+    if hasattr(ref, "model"):  # a wrapped module (not a bare linear)
+        pack_experts(ref.model)
     for parent in list(ref.modules()):
         for name, child in list(parent.named_children()):
             if dynamic_weight(child) is not None:

@@ -1,0 +1,62 @@
+"""Decode cost of a mixture-of-experts model against a dense model with the same active parameters, through our C++
+runner, in one invocation with alternating runs (a benchmark, not a test).
+
+    python bench/moe.py                                   # fp32 and 8da4w, 1 and 2 threads, 3 rounds
+    python bench/moe.py --schemes 8da4w --threads 2 --rounds 5
+
+MoE: a random Mixtral, hidden 512, 8 experts of width 1024, top-2 (a token runs 2 x 3 x 512 x 1024 expert weights,
+through llmpipe::experts). Dense: a random Llama of the same geometry with an MLP of width 2048 (3 x 512 x 2048: the
+same active parameters, through XNNPACK). Both 8 layers, 8 query heads (2 KV) of 64, the custom cache, vocabulary 512,
+the same quantization, the same 64-token prompt, 128 new tokens. Prints decode tok/s (median of the rounds) and the
+ratio MoE / dense; writes outputs/bench/moe.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from common import ROOT, build  # noqa: E402  (bench/ is the script's folder)
+
+GEOMETRY = ["model=tiny_llama", "model.random.hidden_size=512", "model.random.num_hidden_layers=8",
+            "model.random.num_attention_heads=8", "model.random.num_key_value_heads=2", "model.random.head_dim=64",
+            "export.max_context_len=512", "cache=custom"]
+MODELS = {"moe": ["model.random.arch=mixtral", "model.random.intermediate_size=1024"],   # 8 experts, top-2
+          "dense": ["model.random.arch=llama", "model.random.intermediate_size=2048"]}
+
+
+def decode_tok_s(m: dict, threads: int, new: int) -> float:
+    from pipeline import native
+    ids = list(range(3, 67))  # 64 prompt tokens
+    s = native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new,
+                   extra_args=["--ignore-eos", "--warmup", "--threads", str(threads)])
+    return s["decode_tok_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schemes", default="none,8da4w", help="quantize options (conf/quantize), comma-separated")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    a = ap.parse_args()
+    results = {}
+    for scheme in a.schemes.split(","):
+        builds = {name: build(GEOMETRY + extra + [f"quantize={scheme}"]) for name, extra in MODELS.items()}
+        for threads in map(int, a.threads.split(",")):
+            runs = {name: [] for name in builds}
+            for _ in range(a.rounds):  # alternating, so drift hits both alike
+                for name, m in builds.items():
+                    runs[name].append(decode_tok_s(m, threads, a.new_tokens))
+            med = {name: statistics.median(xs) for name, xs in runs.items()}
+            results[f"{scheme} t{threads}"] = {"decode_tok_s": med, "runs": runs, "ratio": med["moe"] / med["dense"]}
+            print(f"{scheme:6} {threads} thread(s): MoE {med['moe']:8.1f} tok/s, dense {med['dense']:8.1f} tok/s, "
+                  f"MoE / dense x{med['moe'] / med['dense']:.2f}", flush=True)
+    out = ROOT / "outputs" / "bench" / "moe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
