@@ -117,24 +117,34 @@ ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
 PROJECTIONS = ("gate", "up", "down")
 
 
-def _quant_dequant_rows(x: torch.Tensor) -> torch.Tensor:
-    """torchao's dynamic int8 activation quantization (asymmetric, per row), as its eager 8da linears apply it."""
-    from torchao.quantization.quantize_.workflows.intx.intx_unpacked_to_int8_tensor import (
-        _apply_int8_act_asym_per_token_quant_dequant)
-    return _apply_int8_act_asym_per_token_quant_dequant(x)
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's dynamic int8 activation quantization (asymmetric, per row), as its 8da linears choose it: (q - zero
+    point, each row's scale)."""
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+    block = (1, x.shape[-1])
+    scale, zp = choose_qparams_affine(x, MappingType.ASYMMETRIC, block, torch.int8, quant_min=-128, quant_max=127,
+                                      zero_point_dtype=torch.int8)
+    q = quantize_affine(x, block, scale, zp, torch.int8, quant_min=-128, quant_max=127)
+    return q.double() - zp.double().reshape(-1, 1), scale.double()
 
 
 def _project(x: torch.Tensor, w: torch.Tensor, s, b, act_quant: bool) -> torch.Tensor:
-    """fp32(x W^T + b), the sums (and the group scales) in float64: the kernel's rounding, whatever the order."""
+    """fp32(x W^T + b) as the kernel computes it: with dynamic activations each group's dot exact (integers in
+    float64), scaled by the group's and the row's scales; otherwise float64 sums; rounded to fp32 once."""
+    row_scale = None
     if act_quant:
-        x = _quant_dequant_rows(x)
-    xd, wd = x.double(), w.double()
+        xd, row_scale = _quantize_rows(x)
+    else:
+        xd = x.double()
+    wd = w.double()
     if s is None:
         y = xd @ wd.T
     else:
         groups = s.shape[-1]
         dots = torch.einsum("ngk,ogk->nog", xd.reshape(len(x), groups, -1), wd.reshape(len(w), groups, -1))
         y = (dots * s.double()).sum(-1)
+    if row_scale is not None:
+        y = y * row_scale.reshape(-1, 1)
     return (y if b is None else y + b.double()).float()
 
 
@@ -151,7 +161,8 @@ def _activate(g: torch.Tensor, u: torch.Tensor, activation: int, limit: float, a
 def experts_ref(hidden, top_k_index, top_k_weights, gate_w, gate_s, gate_b, up_w, up_s, up_b, down_w, down_s, down_b,
                 act_quant, activation: int, limit: float, alpha: float) -> torch.Tensor:
     """The op's semantics in torch (eager; the C++ kernel's twin, rounding where it rounds: the activations'
-    quantization in fp32 as torchao's, each projection and the activation in float64, the weighted sum in fp32)."""
+    quantization in fp32 as torchao's, integer group dots, each projection and the activation in float64, the weighted
+    sum in fp32)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32)
     x_all = hidden.float()
     for e in range(gate_w.shape[0]):
