@@ -52,8 +52,8 @@ def layout(a: Arch) -> str:
         parts.append(f"q/k norm ({at.qk_norm})")
     if at.v_norm:
         parts.append("v norm")
-    if a.norms.placement != "pre":
-        parts.append(f"{a.norms.placement} norms")
+    if a.norms.placement != "pre" or a.norms.kind != "rms":
+        parts.append(f"{a.norms.placement} {'LayerNorm' if a.norms.kind == 'layer' else 'norms'}")
     if a.experts is not None:
         parts.append(f"MoE ({a.experts.activation.replace('_', ' ')})")
     if at.sinks:

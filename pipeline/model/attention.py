@@ -109,7 +109,7 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def sinks_arg(kwargs: dict) -> Optional[torch.Tensor]:
-    """The per-head sink logits HF's attention call hands the attention function (gpt-oss: `s_aux`), in fp32, or None."""
+    """The per-head sink logits HF's attention call hands the attention function (gpt-oss: `s_aux`), fp32; or None."""
     s = kwargs.get("s_aux")
     return None if s is None else s.float()
 

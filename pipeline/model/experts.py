@@ -108,7 +108,8 @@ def expert_banks(model: nn.Module) -> list[ExpertBank]:
 
 # --- the exported form: one op per MoE layer -------------------------------------------------------------------
 # llmpipe::experts(hidden [N,H], top_k_index [N,k], top_k_weights [N,k], then per projection (gate, up, down): its
-# weights [E, out, in] (fp32, or int8 values with fp32 group scales [E, out, in / group]) and biases [E, out];
+# weights [E, out, in] (fp32, or int8 values; 4-bit values two a byte, uint8 [E, out, in / 2]; both with fp32 group
+# scales [E, out, in / group]) and biases [E, out];
 # act_quant: per projection, whether its input rows are quantized to int8 first (the 8da schemes); activation:
 # 0 silu, 1 gpt-oss's clamped SwiGLU) -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per
 # expert, only the rows routed to it; an expert no row picked reads none of its weights.
@@ -128,10 +129,23 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.double() - zp.double().reshape(-1, 1), scale.double()
 
 
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values (int8 in [-8, 7], an even last dim) two a byte: w + 8, element 2i low nibble, 2i + 1 high."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack4(p: torch.Tensor) -> torch.Tensor:
+    lo, hi = (p & 0x0F).to(torch.int8) - 8, (p >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], -1).reshape(*p.shape[:-1], -1)
+
+
 def _project(x: torch.Tensor, w: torch.Tensor, s, b, act_quant: bool) -> torch.Tensor:
     """fp32(x W^T + b) as the kernel computes it: with dynamic activations each group's dot exact (integers in
     float64), scaled by the group's and the row's scales; otherwise float64 sums; rounded to fp32 once."""
     row_scale = None
+    if w.dtype == torch.uint8:
+        w = unpack4(w)
     if act_quant:
         xd, row_scale = _quantize_rows(x)
     else:
@@ -206,8 +220,10 @@ def _packed(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None
         if len(layouts) != 1 or ws[0].block_size[0] != 1 or any(w.zero_point.abs().max() > 0 for w in ws):
             raise ValueError(f"experts: the experts' weights are quantized differently ({sorted(map(str, layouts))}) "
                              "or asymmetrically: give every expert's projection of one role the same scheme")
-        return (torch.stack([w.qdata for w in ws]), torch.stack([w.scale.float() for w in ws]), bias,
-                ws[0].activation_quantization is not None)
+        q = torch.stack([w.qdata for w in ws])
+        if ws[0].target_dtype == torch.int4 and q.shape[-1] % 2 == 0:
+            q = pack4(q)  # half the bytes a decode step streams
+        return (q, torch.stack([w.scale.float() for w in ws]), bias, ws[0].activation_quantization is not None)
     if any(isinstance(w, torch.Tensor) and type(w) not in (nn.Parameter, torch.Tensor) for w in ws):
         raise ValueError(f"experts: weights of {sorted({type(w).__name__ for w in ws})} have no packed form")
     return torch.stack([w.detach().float() for w in ws]), None, bias, False

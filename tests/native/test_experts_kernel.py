@@ -1,5 +1,6 @@
 """llmpipe::experts (native/src/kernels/experts_kernel.cpp) against its Python twin (pipeline/model/experts.py
-experts_ref), bit for bit, in the ExecuTorch runtime: every weight form (fp32, 4-bit and 8-bit groups, per channel,
+experts_ref), bit for bit, in the ExecuTorch runtime: every weight form (fp32, 4-bit values two a byte and 8-bit ones,
+in groups or per channel,
 with torchao's dynamic int8 activations or without), both activations, biases, a single decode row and an expert no
 row picked; and the twin against the eager experts it packs (torchao's linears) within float rounding."""
 from __future__ import annotations
@@ -45,6 +46,7 @@ def test_kernel_equals_its_twin_bit_for_bit(scheme, activation, tmp_path):
                        for _ in range(E)]).eval()
     quantize(bank, scheme)
     packed = PackedExperts(bank).eval()
+    assert packed.gate_w.dtype == {"none": torch.float32, "8da8w": torch.int8, "8w": torch.int8}.get(scheme, torch.uint8)
     rows = torch.randn(9, H) * 3
     picks = torch.stack([torch.randperm(E - 1)[:K] for _ in range(9)])  # expert E - 1: no row picks it
     weights = torch.softmax(torch.randn(9, K), -1)

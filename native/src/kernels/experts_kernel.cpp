@@ -3,8 +3,9 @@
 // rows routed to it run gate, up, the activation and down, and are added to their token's output weighted. An expert
 // no row picked reads none of its weights, so a decode step streams k experts, not all of them.
 //
-//   hidden [N,H] Float; per projection (gate, up, down): w [E,out,in] Float, or Char (int8 values) with
-//   s [E,out,in/group] Float group scales; b [E,out] Float or none. act_quant[p]: the projection's input rows
+//   hidden [N,H] Float; per projection (gate, up, down): w [E,out,in] Float, or Char (int8 values) or Byte
+//   [E,out,in/2] (4-bit values two a byte, w + 8, element 2i in the low nibble) with s [E,out,in/group] Float group
+//   scales; b [E,out] Float or none. act_quant[p]: the projection's input rows
 //   are quantized to int8 first, asymmetric per row, as torchao's dynamic 8da linears do (int8 weights only).
 //   activation 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (limit, alpha). out [N,H] Float.
 // Numerics, which the twin follows: activations quantized in fp32 as torchao does, each group's dot with the int8
@@ -39,7 +40,8 @@ using OptTensor = std::optional<Tensor>;
 // One projection of every expert: expert e's weight rows start at w + e * out * in.
 struct Proj {
   const float* wf = nullptr;   // Float weights
-  const int8_t* wq = nullptr;  // or int8 values with group scales
+  const int8_t* wq = nullptr;   // or int8 values with group scales
+  const uint8_t* w4 = nullptr;  // or 4-bit values two a byte (w + 8: element 2i low nibble, 2i + 1 high)
   const float* s = nullptr;
   const float* b = nullptr;
   int64_t out = 0, in = 0, groups = 1;
@@ -57,15 +59,19 @@ bool load_proj(const char* name, const Tensor& w, const OptTensor& s, const OptT
   if (w.scalar_type() == ScalarType::Float) {
     if (s.has_value() || aq) return fail("Float weights take no scales and no dynamic activations");
     p->wf = w.const_data_ptr<float>();
-  } else if (w.scalar_type() == ScalarType::Char) {
+  } else if (w.scalar_type() == ScalarType::Char || w.scalar_type() == ScalarType::Byte) {
+    if (w.scalar_type() == ScalarType::Byte) p->in *= 2;  // two 4-bit values a byte
     if (!s.has_value() || s->dim() != 3 || s->size(0) != E || s->size(1) != p->out || s->size(2) < 1 ||
         p->in % s->size(2) != 0 || s->scalar_type() != ScalarType::Float)
-      return fail("int8 weights take Float group scales [E,out,groups], groups dividing in");
-    p->wq = w.const_data_ptr<int8_t>();
+      return fail("int8 / packed 4-bit weights take Float group scales [E,out,groups], groups dividing in");
+    if (w.scalar_type() == ScalarType::Byte)
+      p->w4 = w.const_data_ptr<uint8_t>();
+    else
+      p->wq = w.const_data_ptr<int8_t>();
     p->s = s->const_data_ptr<float>();
     p->groups = s->size(2);
   } else {
-    return fail("weights must be Float or Char");
+    return fail("weights must be Float, Char (int8) or Byte (4-bit pairs)");
   }
   if (b.has_value()) {
     if (b->dim() != 2 || b->size(0) != E || b->size(1) != p->out || b->scalar_type() != ScalarType::Float)
@@ -155,6 +161,14 @@ bool rows8_int(const int16_t* a, const int8_t* w, const float* sc, int64_t in, i
 }
 #endif
 
+// rows [n][in] of 4-bit pairs (in / 2 bytes a row) unpacked to int8 values
+void unpack4(const uint8_t* w4, int64_t rows, int64_t in, int8_t* out) {
+  for (int64_t i = 0; i < rows * in / 2; ++i) {
+    out[2 * i] = static_cast<int8_t>((w4[i] & 0x0F) - 8);
+    out[2 * i + 1] = static_cast<int8_t>((w4[i] >> 4) - 8);
+  }
+}
+
 // Sums in float64, rounded to fp32 once: every product of an fp32 and a weight is exact in float64, and a sum of
 // them differs from the twin's (torch's float64 matmul, in its own order) by far less than an fp32 step, so the two
 // give the same fp32 bits but at the rarest ties, wherever the order.
@@ -181,24 +195,32 @@ void project(const Proj& p, int64_t e, const float* x, int64_t n, float* y, std:
   // each group's dot waits on the last: bound by latency, not by the weights' bandwidth)
   constexpr int64_t kRows = 8;
   auto rows = [&](int64_t o0, int64_t o1) {
+    std::vector<int8_t> unpacked(p.w4 ? static_cast<size_t>(kRows * in) : 0);  // a block's 4-bit rows as int8
     for (int64_t ob = o0; ob < o1; ob += kRows) {
       const int64_t nr = std::min(kRows, o1 - ob);
-      if (p.wq && ob + kRows < o1) {  // the next block's weights, asked for while this one computes
-        const int8_t* next = p.wq + (e * p.out + ob + kRows) * in;
-        for (int64_t b = 0; b < std::min(kRows, o1 - ob - kRows) * in; b += 64) __builtin_prefetch(next + b, 0, 0);
+      if (ob + kRows < o1 && !p.wf) {  // the next block's weights, asked for while this one computes
+        const int64_t bytes = std::min(kRows, o1 - ob - kRows) * (p.w4 ? in / 2 : in);
+        const void* next = p.w4 ? static_cast<const void*>(p.w4 + (e * p.out + ob + kRows) * in / 2)
+                                : static_cast<const void*>(p.wq + (e * p.out + ob + kRows) * in);
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(next) + b, 0, 0);
+      }
+      const int8_t* wblock = p.wq ? p.wq + (e * p.out + ob) * in : nullptr;
+      if (p.w4) {
+        unpack4(p.w4 + (e * p.out + ob) * in / 2, nr, in, unpacked.data());
+        wblock = unpacked.data();
       }
       for (int64_t r = 0; r < n; ++r) {
         double acc[kRows] = {};
         bool scaled = false;  // acc already times the row's scale
 #if defined(__AVX2__)
         if (ints && nr == kRows)
-          scaled = rows8_int(qz.data() + r * in, p.wq + (e * p.out + ob) * in, p.s + (e * p.out + ob) * p.groups, in,
-                             p.groups, static_cast<double>(rs[r]), acc);
+          scaled = rows8_int(qz.data() + r * in, wblock, p.s + (e * p.out + ob) * p.groups, in, p.groups,
+                             static_cast<double>(rs[r]), acc);
 #endif
         for (int64_t k = 0; k < nr; ++k)
           if (p.wf) acc[k] = dot(x + r * in, p.wf + (e * p.out + ob + k) * in, in);
         if (!p.wf && !scaled) {
-          const int8_t* w = p.wq + (e * p.out + ob) * in;
+          const int8_t* w = wblock;
           const float* sc = p.s + (e * p.out + ob) * p.groups;
           for (int64_t g = 0; g < p.groups; ++g)
             for (int64_t k = 0; k < nr; ++k) {

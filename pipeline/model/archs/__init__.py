@@ -6,8 +6,8 @@ Each module holds `ARCH = Arch(...)`: the declared shape of its decoder, written
 them names a module. A `model_type` outside this registry is refused at preflight, from config.json alone.
 
 HF's own modeling code runs the forward (rotary variants, multipliers, softcaps, norms), so an entry declares where
-things are and what they are, not how to compute them; the one rewrite is the experts of a mixture-of-experts layer
-(pipeline/model/experts.py), whose HF forward does not export.
+things are and what they are, not how to compute them; what HF computes in a way that does not export is rewritten
+after wrap's reference (pipeline/model/exportable.py: the experts of a mixture-of-experts layer, longrope's switch).
 """
 from __future__ import annotations
 
@@ -160,7 +160,8 @@ class Arch:
             out.append(("layer_types", kinds, f"layer kinds the attention cache modes build: {list(ATTENTION_KINDS)}"))
         for rope in _rope_types(config):
             if rope not in ROPE_TYPES:
-                out.append(("rope_parameters.rope_type", rope, f"not traceable to a program; allowed: {list(ROPE_TYPES)}"))
+                out.append(("rope_parameters.rope_type", rope,
+                            f"not traceable to a program; allowed: {list(ROPE_TYPES)}"))
         return out
 
 
@@ -198,8 +199,9 @@ def for_gguf(general_arch: str) -> Arch:
     for arch in ARCHS.values():
         if (arch.gguf_arch or arch.model_type) == general_arch:
             return arch
+    supported = sorted(a.gguf_arch or a.model_type for a in ARCHS.values())
     raise UnsupportedArch("GGUF general.architecture", general_arch, f"GGUF architecture {general_arch!r} is not "
-                          f"supported by this pipeline. Supported: {sorted(a.gguf_arch or a.model_type for a in ARCHS.values())}")
+                          f"supported by this pipeline. Supported: {supported}")
 
 
 def of_model(model) -> Arch:

@@ -2,5 +2,6 @@
 together), sliding and full layers, logits scaled by logit_scale."""
 from pipeline.model.archs import Arch, Norms
 
-ARCH = Arch(family="Cohere 2", norms=Norms(placement="parallel", mlp_input="input_layernorm", kind="layer"),
+ARCH = Arch(family="Cohere 2",
+            norms=Norms(placement="parallel", mlp_input="input_layernorm", kind="layer"),
             rotary="rope on sliding layers; NoPE on full layers", logits="logit_scale", tiny={"sliding_window": 24})

@@ -1,5 +1,6 @@
-"""Gemma 4 (text): Gemma 3's norm placement (but its norms scale by the weight itself) plus value norms, global layers with their own head dim and KV heads (values = keys
-with attention_k_eq_v), KV-shared trailing layers, per-layer input embeddings, double-wide MLPs on shared layers."""
+"""Gemma 4 (text): Gemma 3's norm placement (its norms scale by the weight itself, not 1 + w) plus value norms,
+global layers with their own head dim and KV heads (values = keys with attention_k_eq_v), KV-shared trailing layers,
+per-layer input embeddings, double-wide MLPs on shared layers."""
 from pipeline.model.archs import Arch, Attention, Norms, PerLayer
 
 
