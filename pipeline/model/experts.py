@@ -101,11 +101,6 @@ def rewrite_experts(model: nn.Module) -> int:
     return count
 
 
-def expert_banks(model: nn.Module) -> list[ExpertBank]:
-    return [m for m in model.modules() if isinstance(m, ExpertBank)]
-
-
-
 # --- the exported form: one op per MoE layer -------------------------------------------------------------------
 # llmpipe::experts(hidden [N,H], top_k_index [N,k], top_k_weights [N,k], then per projection (gate, up, down): its
 # weights [E, out, in] (fp32, or int8 values; 4-bit values two a byte, uint8 [E, out, in / 2]; both with fp32 group

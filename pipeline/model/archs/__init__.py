@@ -155,6 +155,9 @@ class Arch:
         """(config key, value, why) of every feature of this config the pipeline cannot build."""
         out = [(key, getattr(config, key, None), why) for key, bad, why in self.refuses
                if bad(getattr(config, key, None))]
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        if self.experts is not None and self.experts.activation == "silu" and act not in (None, "silu"):
+            out.append(("hidden_act", act, "the experts' kernel runs silu(gate) * up: allowed ['silu']"))
         kinds = sorted(set(self.layer_kinds(config)) - set(ATTENTION_KINDS))
         if kinds:
             out.append(("layer_types", kinds, f"layer kinds the attention cache modes build: {list(ATTENTION_KINDS)}"))
