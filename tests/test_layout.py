@@ -81,7 +81,7 @@ def test_backends_declare_their_interface(name):
     b = BACKENDS[name]
     assert b.RUNTIME in RUNTIMES and isinstance(b.NATIVE_RUNNER, bool) and isinstance(b.ASYMMETRIC_WEIGHTS, bool) \
         and isinstance(b.LOWERS_PROGRAM_IN_MEMORY, bool) and isinstance(b.LOWERS_NON_STRICT, bool)
-    for fn in ("refuses", "refuses_cache", "reference", "setup", "prepare", "partition", "executorch_config", "handover", "cross_check_runtime", "reference_extra_bytes"):
+    for fn in ("refuses", "refuses_cache", "reference", "setup", "prepare", "pack_experts", "partition", "executorch_config", "handover", "cross_check_runtime", "reference_extra_bytes"):
         assert callable(getattr(b, fn)), fn
 
 

@@ -14,6 +14,7 @@ Each declares:
     refuses_kv_dtype()       -- why it cannot store an in-graph cache as cache.kv_dtype says, or None
     refuses_arch(arch)       -- why it cannot build a model of this architecture's entry (pipeline/model/archs), or None
     setup()                  -- register the ops its programs and its lowering need
+    pack_experts(model)      -- a MoE model's expert banks in the form its programs run, before prepare; how many
     prepare(module, cfg)     -- module rewrites before torch.export (native route); returns a report
     partition()              -- (partitioners, transform passes) for to_edge_transform_and_lower
     lowering()               -- a context manager around that lowering (XNNPACK: its lean preprocess)

@@ -44,6 +44,12 @@ def prepare(module, cfg) -> dict:
     return {}
 
 
+def pack_experts(model) -> int:
+    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/experts.py); returns how many layers."""
+    from pipeline.model.experts import pack_experts as ours
+    return ours(model)
+
+
 def partition():
     return [], []
 

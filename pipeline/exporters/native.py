@@ -82,8 +82,7 @@ def export(ctx) -> dict:
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
     info["strict"] = strict = strict_export(ctx.cfg)
-    from pipeline.model.experts import pack_experts
-    info["expert_layers"] = pack_experts(module.model)  # one llmpipe::experts op per MoE layer
+    info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model)
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)

@@ -53,12 +53,12 @@ def refuses_kv_dtype() -> str | None:
 
 def refuses_arch(arch) -> str | None:
     """Why it cannot build a model of this architecture (None: it can). A program must be MLX delegate calls only
-    (the MLX runtime runs nothing else): a MoE layer's experts (our llmpipe::experts op) have no MLX form here yet,
-    nor do attention sinks (the delegate's SDPA node has no sink logits)."""
-    if arch.experts is not None:
-        return "mixture-of-experts layers: their experts run in our llmpipe::experts kernel, which MLX cannot call"
+    (the MLX runtime runs nothing else): attention sinks have no MLX form (the delegate's SDPA node takes no sink
+    logits); experts run as gather matmuls (experts.py) under silu only."""
     if arch.attention.sinks:
         return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
+    if arch.experts is not None and arch.experts.activation != "silu":
+        return f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up here"
     return None
 
 
@@ -76,6 +76,13 @@ def prepare(module, cfg) -> dict:
     from pipeline.backends.mlx.attention import prepare_attention
     from pipeline.model.cache_modes import flags
     return prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len, flags(cfg.cache))
+
+
+def pack_experts(model) -> int:
+    """A MoE layer's experts as gather matmuls the delegate lowers (experts.py); returns how many layers."""
+    setup()
+    from pipeline.backends.mlx.experts import gather_experts
+    return gather_experts(model)
 
 
 def partition():

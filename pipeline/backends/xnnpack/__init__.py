@@ -69,6 +69,13 @@ def setup() -> None:
     pass
 
 
+def pack_experts(model) -> int:
+    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/experts.py): XNNPACK has no kernel that runs
+    only the rows routed to each expert; returns how many layers."""
+    from pipeline.model.experts import pack_experts as ours
+    return ours(model)
+
+
 def prepare(module, cfg) -> dict:
     """Weight-only linears in the forms XNNPACK (or the portable kernels) run correctly."""
     bits = WEIGHT_ONLY_BITS.get(v(cfg.quantize.linear))

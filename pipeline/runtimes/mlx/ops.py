@@ -173,8 +173,26 @@ class Interpreter:
 
     def op_SliceNode(self, n, st):
         x = st.tensor(n["x"])
+        step = n.get("step", 1)
+        if step < 0:  # a reversal (top-k's descending order): Python's own bounds, as MLX's slice takes them
+            axis = _axis(st.int(n["axis"]), x.ndim)
+            st.t[_tid(n["out"])] = x[_index(x.ndim, axis, slice(st.int(n["start"]), st.int(n["stop"]), step))]
+            return
         axis, start, stop = _slice_bounds(x, st.int(n["axis"]), st.int(n["start"]), st.int(n["stop"]))
-        st.t[_tid(n["out"])] = x[_index(x.ndim, axis, slice(start, stop, n.get("step", 1)))]
+        st.t[_tid(n["out"])] = x[_index(x.ndim, axis, slice(start, stop, step))]
+
+    # --- sorting (a top-k: partition, slice, sort, reverse) -------------------------------------------------------
+    def op_SortNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().sort(st.tensor(n["x"]), axis=n.get("axis", -1))
+
+    def op_ArgsortNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().argsort(st.tensor(n["x"]), axis=n.get("axis", -1))
+
+    def op_PartitionNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().partition(st.tensor(n["x"]), st.int(n["kth"]), axis=n.get("axis", -1))
+
+    def op_ArgPartitionNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().argpartition(st.tensor(n["x"]), st.int(n["kth"]), axis=n.get("axis", -1))
 
     def op_TakeNode(self, n, st):
         mx = _mx()
@@ -398,6 +416,22 @@ class Interpreter:
             x, st.tensor(n["w"]), scales, biases,
             transpose=bool(n.get("transpose", True)), group_size=n["group_size"], bits=n["bits"],
             mode=n.get("mode", "affine")).astype(out_dtype)
+
+    def _indices(self, n, st, key):
+        return st.tensor(n[key]) if n.get(key) is not None else None
+
+    def op_GatherMmNode(self, n, st):
+        st.t[_tid(n["out"])] = _mx().gather_mm(st.tensor(n["a"]), st.tensor(n["b"]),
+                                               lhs_indices=self._indices(n, st, "lhs_indices"),
+                                               rhs_indices=self._indices(n, st, "rhs_indices"))
+
+    def op_GatherQmmNode(self, n, st):
+        biases = st.tensor(n["biases"]) if n.get("biases") is not None else None
+        st.t[_tid(n["out"])] = _mx().gather_qmm(
+            st.tensor(n["x"]), st.tensor(n["w"]), st.tensor(n["scales"]), biases,
+            lhs_indices=self._indices(n, st, "lhs_indices"), rhs_indices=self._indices(n, st, "rhs_indices"),
+            transpose=bool(n.get("transpose", True)), group_size=n["group_size"], bits=n["bits"],
+            mode=n.get("mode", "affine"))
 
     def op_DequantizeNode(self, n, st):
         mx = _mx()
