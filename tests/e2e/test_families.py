@@ -5,7 +5,7 @@ MLX programs run in the interpreter. Sliding-window families are built at a chun
 default), so verify's long prompt (chunk + 16 tokens) runs past the window and wraps the rings.
 
 The CI tier builds one family of each kind (fused projections, post-norm, mixture of experts, attention sinks, and
-one on MLX); the slow tier (`pytest -m slow tests/e2e/test_families.py`) builds every cell.
+on MLX a dense one and a MoE); the slow tier (`pytest -m slow tests/e2e/test_families.py`) builds every cell.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ CI_CELLS = [("phi3", "xnnpack", "custom", "default"), ("phi3", "xnnpack", "offgr
             ("olmo2", "xnnpack", "custom", "default"), ("olmo2", "xnnpack", "static", "fp32"),
             ("qwen3_moe", "xnnpack", "custom", "default"), ("qwen3_moe", "xnnpack", "offgraph", "fp32"),
             ("gpt_oss", "xnnpack", "offgraph", "default"), ("gpt_oss", "xnnpack", "custom", "fp32"),
-            ("phi3", "mlx", "offgraph", "fp32")]
+            ("phi3", "mlx", "offgraph", "fp32"), ("qwen3_moe", "mlx", "custom", "default")]
 ALL_CELLS = [(t, b, m, s) for t, b, m in supported_cells() for s in SCHEMES]
 
 
