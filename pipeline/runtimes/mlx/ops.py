@@ -8,6 +8,8 @@ import numpy as np
 
 from pipeline.model.offgraph_cache import bound_cache
 from pipeline.runtimes.mlx.payload import Graph, UnsupportedInstruction, _mx, mx_dtype, to_mx, to_torch
+from pipeline.runtimes.mlx.payload import tid as _tid
+from pipeline.runtimes.mlx.topk_ops import TopKOps
 
 
 class State:
@@ -41,12 +43,6 @@ class State:
         return [self.int(r) for r in refs]
 
 
-def _tid(ref) -> int:
-    if isinstance(ref, str):  # tid lists decode as "tid N"
-        return int(ref.split()[1])
-    return int(ref["tid"])
-
-
 def _axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
@@ -74,7 +70,7 @@ def _slice_bounds(x, axis: int, start: int, stop: int):
 def _index(rank: int, axis: int, sl) -> tuple:
     return tuple(sl if i == axis else slice(None) for i in range(rank))
 
-class Interpreter:
+class Interpreter(TopKOps):
     """Handlers by op name; each reads its operands from the State and writes its outputs.
     kvcache::update_and_attend reaches the bound runtime-owned cache, as the kernel of our runners does."""
 
@@ -180,19 +176,6 @@ class Interpreter:
             return
         axis, start, stop = _slice_bounds(x, st.int(n["axis"]), st.int(n["start"]), st.int(n["stop"]))
         st.t[_tid(n["out"])] = x[_index(x.ndim, axis, slice(start, stop, step))]
-
-    # --- sorting (a top-k: partition, slice, sort, reverse) -------------------------------------------------------
-    def op_SortNode(self, n, st):
-        st.t[_tid(n["out"])] = _mx().sort(st.tensor(n["x"]), axis=n.get("axis", -1))
-
-    def op_ArgsortNode(self, n, st):
-        st.t[_tid(n["out"])] = _mx().argsort(st.tensor(n["x"]), axis=n.get("axis", -1))
-
-    def op_PartitionNode(self, n, st):
-        st.t[_tid(n["out"])] = _mx().partition(st.tensor(n["x"]), st.int(n["kth"]), axis=n.get("axis", -1))
-
-    def op_ArgPartitionNode(self, n, st):
-        st.t[_tid(n["out"])] = _mx().argpartition(st.tensor(n["x"]), st.int(n["kth"]), axis=n.get("axis", -1))
 
     def op_TakeNode(self, n, st):
         mx = _mx()
@@ -416,22 +399,6 @@ class Interpreter:
             x, st.tensor(n["w"]), scales, biases,
             transpose=bool(n.get("transpose", True)), group_size=n["group_size"], bits=n["bits"],
             mode=n.get("mode", "affine")).astype(out_dtype)
-
-    def _indices(self, n, st, key):
-        return st.tensor(n[key]) if n.get(key) is not None else None
-
-    def op_GatherMmNode(self, n, st):
-        st.t[_tid(n["out"])] = _mx().gather_mm(st.tensor(n["a"]), st.tensor(n["b"]),
-                                               lhs_indices=self._indices(n, st, "lhs_indices"),
-                                               rhs_indices=self._indices(n, st, "rhs_indices"))
-
-    def op_GatherQmmNode(self, n, st):
-        biases = st.tensor(n["biases"]) if n.get("biases") is not None else None
-        st.t[_tid(n["out"])] = _mx().gather_qmm(
-            st.tensor(n["x"]), st.tensor(n["w"]), st.tensor(n["scales"]), biases,
-            lhs_indices=self._indices(n, st, "lhs_indices"), rhs_indices=self._indices(n, st, "rhs_indices"),
-            transpose=bool(n.get("transpose", True)), group_size=n["group_size"], bits=n["bits"],
-            mode=n.get("mode", "affine"))
 
     def op_DequantizeNode(self, n, st):
         mx = _mx()

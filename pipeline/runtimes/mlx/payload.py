@@ -107,3 +107,10 @@ def decode_payload(raw: bytes) -> Graph:
                  main_chain=g.MainChainIdx(), init_chain=g.InitChainIdx(),
                  inputs=slots(g.InputMapLength(), g.InputMap), outputs=slots(g.OutputMapLength(), g.OutputMap),
                  mutable=slots(g.MutableBufferMapLength(), g.MutableBufferMap), names=names, meta=meta)
+
+
+def tid(ref) -> int:
+    """A decoded tensor reference's id (tid lists decode as "tid N")."""
+    if isinstance(ref, str):
+        return int(ref.split()[1])
+    return int(ref["tid"])
