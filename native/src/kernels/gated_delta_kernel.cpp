@@ -1,0 +1,165 @@
+// llmpipe::gated_delta_rule.out: a Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next) over its state, which the
+// op updates in place. Python twin and the math: pipeline/model/gated_delta.py.
+//
+//   q, k [1,T,Hk,Dk] (unnormalized), v [1,T,Hv,Dv], a, b [1,T,Hv], A_log, dt_bias [Hv], all Float; Hv % Hk == 0;
+//   state [Hv,Dk,Dv] Float (zeroed first when position[0] == 0); position [T] consecutive; out [1,T,Hv,Dv] Float.
+//
+// A step runs in the chunked form, kChunk tokens at a time, each value head on its own task: per chunk two triangular
+// solves over the chunk's keys, one pass over the state that reads what the chunk needs of it, and one that writes it.
+// A decode step (T = 1) is the same code: the solves are empty, and the state is read once and written once.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <executorch/runtime/kernel/kernel_includes.h>
+#include <executorch/runtime/kernel/thread_parallel_interface.h>
+
+#include "kernels/checked_kernel.h"
+
+namespace llmrt::gated_delta {
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::KernelRuntimeContext;
+
+constexpr int64_t kChunk = 64;   // the twin's CHUNK
+constexpr float kL2Eps = 1e-6f;  // HF's l2norm: x * rsqrt(sum(x^2) + eps)
+
+struct Step {
+  const float *q, *k, *v, *a, *b, *A_log, *dt_bias;
+  float* state;
+  float* out;
+  int64_t T, Hk, Hv, Dk, Dv;
+  float scale;
+};
+
+inline float dot(const float* x, const float* y, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// x / sqrt(|x|^2 + eps) * mul, into dst
+inline void l2_normalized(const float* x, int64_t n, float mul, float* dst) {
+  const float r = mul / std::sqrt(dot(x, x, n) + kL2Eps);
+  for (int64_t i = 0; i < n; ++i) dst[i] = x[i] * r;
+}
+
+// torch's softplus (threshold 20: x itself above it)
+inline double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
+
+// One value head over the whole step, chunk by chunk.
+void run_head(const Step& p, int64_t h) {
+  const int64_t Dk = p.Dk, Dv = p.Dv, kh = h / (p.Hv / p.Hk);
+  float* S = p.state + h * Dk * Dv;
+  const double decay_rate = std::exp(static_cast<double>(p.A_log[h]));
+  std::vector<float> Q(kChunk * Dk), K(kChunk * Dk), W(kChunk * Dk), U(kChunk * Dv), O(kChunk * Dv);
+  std::vector<float> gamma(kChunk), beta(kChunk), carry(kChunk);
+  for (int64_t c0 = 0; c0 < p.T; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, p.T - c0);
+    double cum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = c0 + i;
+      l2_normalized(p.q + (t * p.Hk + kh) * Dk, Dk, p.scale, Q.data() + i * Dk);
+      l2_normalized(p.k + (t * p.Hk + kh) * Dk, Dk, 1.f, K.data() + i * Dk);
+      cum -= decay_rate * softplus(static_cast<double>(p.a[t * p.Hv + h]) + p.dt_bias[h]);
+      gamma[i] = static_cast<float>(cum);
+      beta[i] = static_cast<float>(1.0 / (1.0 + std::exp(-static_cast<double>(p.b[t * p.Hv + h]))));
+    }
+    // (I + L) U = beta V and (I + L) W = beta exp(gamma) K, L strictly lower: forward substitution, row by row
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = p.v + ((c0 + i) * p.Hv + h) * Dv;
+      float* Ui = U.data() + i * Dv;
+      float* Wi = W.data() + i * Dk;
+      const float* Ki = K.data() + i * Dk;
+      const float wk = beta[i] * std::exp(gamma[i]);
+      for (int64_t c = 0; c < Dv; ++c) Ui[c] = beta[i] * v[c];
+      for (int64_t d = 0; d < Dk; ++d) Wi[d] = wk * Ki[d];
+      for (int64_t j = 0; j < i; ++j) {
+        const float lij = beta[i] * std::exp(gamma[i] - gamma[j]) * dot(Ki, K.data() + j * Dk, Dk);
+        axpy(-lij, U.data() + j * Dv, Ui, Dv);
+        axpy(-lij, W.data() + j * Dk, Wi, Dk);
+      }
+    }
+    // one read of the state: u_i = U_i - W_i S and O_i = exp(gamma_i) q_i S (rows of S stay in cache over i)
+    std::fill(O.begin(), O.begin() + n * Dv, 0.f);
+    for (int64_t d = 0; d < Dk; ++d) {
+      const float* Sd = S + d * Dv;
+      for (int64_t i = 0; i < n; ++i) {
+        axpy(-W[i * Dk + d], Sd, U.data() + i * Dv, Dv);
+        axpy(Q[i * Dk + d], Sd, O.data() + i * Dv, Dv);
+      }
+    }
+    // within the chunk: o_i = exp(gamma_i) O_i + sum_{j<=i} exp(gamma_i - gamma_j) (q_i . k_j) u_j
+    for (int64_t i = 0; i < n; ++i) {
+      float* o = p.out + ((c0 + i) * p.Hv + h) * Dv;
+      const float eg = std::exp(gamma[i]);
+      for (int64_t c = 0; c < Dv; ++c) o[c] = eg * O[i * Dv + c];
+      for (int64_t j = 0; j <= i; ++j)
+        axpy(std::exp(gamma[i] - gamma[j]) * dot(Q.data() + i * Dk, K.data() + j * Dk, Dk), U.data() + j * Dv, o, Dv);
+    }
+    // one write of the state: S = exp(gamma_n) S + sum_j exp(gamma_n - gamma_j) k_j u_j^T
+    const float last = gamma[n - 1], en = std::exp(last);
+    for (int64_t j = 0; j < n; ++j) carry[j] = std::exp(last - gamma[j]);
+    for (int64_t d = 0; d < Dk; ++d) {
+      float* Sd = S + d * Dv;
+      for (int64_t c = 0; c < Dv; ++c) Sd[c] *= en;
+      for (int64_t j = 0; j < n; ++j) axpy(carry[j] * K[j * Dk + d], U.data() + j * Dv, Sd, Dv);
+    }
+  }
+}
+
+bool is_float(const Tensor& t, int64_t dim) { return t.scalar_type() == ScalarType::Float && t.dim() == dim; }
+
+Tensor& gated_delta_rule_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
+                             Tensor& state, const Tensor& position, double scale, Tensor& out) {
+  auto fail = [&](const std::string& msg) -> Tensor& {
+    ET_LOG(Error, "llmpipe::gated_delta_rule: %s", msg.c_str());
+    ctx.fail(Error::InvalidArgument);
+    return out;
+  };
+  if (!is_float(q, 4) || !is_float(k, 4) || !is_float(v, 4) || q.size(0) != 1 || v.size(0) != 1)
+    return fail("q, k must be Float [1,T,Hk,Dk] and v Float [1,T,Hv,Dv]");
+  const int64_t T = q.size(1), Hk = q.size(2), Dk = q.size(3), Hv = v.size(2), Dv = v.size(3);
+  for (int d = 0; d < 4; ++d)
+    if (k.size(d) != q.size(d)) return fail("k must have q's shape");
+  if (v.size(1) != T || Hk == 0 || Hv % Hk != 0) return fail("v must be [1,T,Hv,Dv] with Hv a multiple of Hk");
+  if (!is_float(a, 3) || !is_float(b, 3) || a.size(0) != 1 || a.size(1) != T || a.size(2) != Hv ||
+      b.size(0) != 1 || b.size(1) != T || b.size(2) != Hv)
+    return fail("a, b must be Float [1,T,Hv]");
+  if (!is_float(A_log, 1) || !is_float(dt_bias, 1) || A_log.size(0) != Hv || dt_bias.size(0) != Hv)
+    return fail("A_log, dt_bias must be Float [Hv]");
+  if (!is_float(state, 3) || state.size(0) != Hv || state.size(1) != Dk || state.size(2) != Dv)
+    return fail("state must be Float [Hv,Dk,Dv]");
+  if (position.dim() != 1 || position.size(0) != T || position.scalar_type() != ScalarType::Long)
+    return fail("position must be Long [T]");
+  const int64_t* pos = position.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    if (pos[t] != pos[0] + t || pos[0] < 0) return fail("positions must be consecutive from >= 0");
+  if (out.scalar_type() != ScalarType::Float || executorch::runtime::resize_tensor(out, v.sizes()) != Error::Ok)
+    return fail("out must be Float, resizable to v's shape");
+  Step p{q.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(), a.const_data_ptr<float>(),
+         b.const_data_ptr<float>(), A_log.const_data_ptr<float>(), dt_bias.const_data_ptr<float>(),
+         state.mutable_data_ptr<float>(), out.mutable_data_ptr<float>(), T, Hk, Hv, Dk, Dv, static_cast<float>(scale)};
+  if (T > 0 && pos[0] == 0) std::fill(p.state, p.state + Hv * Dk * Dv, 0.f);  // a new sequence
+  executorch::extension::parallel_for(0, Hv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) run_head(p, h);
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace llmrt::gated_delta
+
+LLMPIPE_KERNEL(llmpipe, "gated_delta_rule.out", llmrt::gated_delta::gated_delta_rule_out);
