@@ -45,6 +45,12 @@ def schemes(backend: str) -> list[str]:
 def layout(a: Arch) -> str:
     """What the entry declares, in a few words."""
     at, parts = a.attention, []
+    if a.gated_delta:
+        parts.append("Gated DeltaNet layers (recurrent state)")
+    if a.short_conv:
+        parts.append("short-conv layers (recurrent state)")
+    if at.output_gate:
+        parts.append("gated attention output")
     fused = [n for n in (at.qkv, a.mlp.gate_up) if n]
     if fused:
         parts.append("fused " + ", ".join(fused))

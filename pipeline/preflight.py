@@ -361,21 +361,23 @@ def parameter_count(g: Geometry) -> int:
     the MoE routers, the norms and the embedding tables."""
     linears = sum(n_out * n_in for name, (n_out, n_in) in g.linear_shapes().items()
                   if name != "lm_head" or not g.tie_word_embeddings)
-    return embedding_parameters(g) + linears + g.router_parameters() + g.num_layers * 2 * g.hidden_size
+    return embedding_parameters(g) + linears + g.router_parameters() + g.recurrent_parameters() + \
+        g.num_layers * 2 * g.hidden_size
 
 
 def kv_cache_bytes(cfg, g: Geometry) -> int:
     """K/V storage at the recipe's context, in the export dtype, as the cache modes allocate it (the off-graph
     runtime at its default capacity, the context): one cache per layer that computes its own K/V (a KV-shared
     layer reads its source's), with that layer's heads and dims; the sliding layers of modes with rings hold
-    window + chunk - 1 slots (at most the context), every other cache the whole context."""
+    window + chunk - 1 slots (at most the context), every other cache the whole context; plus the recurrent layers'
+    state, whatever the context."""
     e = cfg.export
     rings = CACHE_MODES[cfg.cache.mode].rings(flags(cfg.cache))
     total = 0
     for s in geometry_layout(g).specs:
         slots = ring_slots(s.window if rings else 0, e.prefill_chunk, e.max_context_len)
         total += slots * s.kv_heads * (s.head_dim + s.v_dim) * DTYPE_BYTES[v(e.dtype)]
-    return total
+    return total + g.state_bytes(DTYPE_BYTES[v(e.dtype)])
 
 
 def weight_bytes(scheme: str, group: int, dtype: str) -> float:

@@ -103,9 +103,10 @@ def define_op(namespace: str, name: str, args: str, out_alias: str, eager, fake)
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The HF attention module of every decoder layer, where the architecture's entry says it is."""
+    """The HF attention module of every attention layer (a recurrent layer has none), where the architecture's entry
+    says it is."""
     arch = archs.of_model(model)
-    return [arch.attention_module(layer) for layer in arch.decoder_layers(model)]
+    return [arch.attention_module(layer) for _, layer in arch.attention_layers(model)]
 
 
 def sinks_arg(kwargs: dict) -> Optional[torch.Tensor]:

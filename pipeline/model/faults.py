@@ -75,8 +75,8 @@ def group_scale_doubled(module) -> str:
 
 def heads_swapped(module) -> str:
     a = archs.of_model(module.model)
-    layer = _n_layers(module.model) - 2
-    attn = a.attention_module(a.decoder_layers(module.model)[layer])
+    layer, decoder = a.attention_layers(module.model)[-2 if len(a.attention_layers(module.model)) > 1 else -1]
+    attn = a.attention_module(decoder)
     q = getattr(attn, a.attention.qkv or a.attention.q)  # a fused qkv holds q's rows first
     d = attn.head_dim
     order = torch.arange(q.out_features)

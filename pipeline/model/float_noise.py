@@ -37,7 +37,7 @@ def _add_noise(module: nn.Module, g: torch.Generator) -> list:
         if kind.endswith(("RMSNorm", "LayerNorm")) or type(m).__module__ == "transformers.activations":
             handles.append(m.register_forward_hook(lambda _, args, out: _noisy(out, g)))
     a = archs.of_model(module.model)
-    for layer in a.decoder_layers(module.model):
+    for _, layer in a.attention_layers(module.model):
         o = getattr(a.attention_module(layer), a.attention.o)
         handles.append(o.register_forward_pre_hook(lambda _, args: (_noisy(args[0], g), *args[1:])))
     return handles

@@ -97,8 +97,9 @@ def _plans(model: nn.Module):
     are not fused: their kernel reads gate and up itself (pipeline/model/experts.py)."""
     a = archs.of_model(model)
     at, m = a.attention, a.mlp
+    attending = {id(layer) for _, layer in a.attention_layers(model)}
     for layer in a.decoder_layers(model):
-        if not at.qkv:
+        if not at.qkv and id(layer) in attending:
             yield a.attention_module(layer), QKV, (at.q, at.k, at.v)
         if not m.gate_up and not a.has_experts(layer):
             yield a.mlp_module(layer), GATE_UP, (m.gate, m.up)

@@ -24,7 +24,7 @@ class Geometry:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    layer_types: list[str] = field(default_factory=list)   # "full_attention" | "sliding_attention"
+    layer_types: list[str] = field(default_factory=list)   # archs.ATTENTION_KINDS or archs.RECURRENT_KINDS
     sliding_window: Optional[int] = None
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: bool = True
@@ -40,6 +40,13 @@ class Geometry:
     experts_per_token: int = 0
     expert_width: int = 0
     dense_mlp_layers: list[int] = field(default_factory=list)
+    # recurrent layers: a Gated DeltaNet's key / value heads and dims and its conv kernel; a short conv's kernel
+    delta_key_heads: int = 0
+    delta_value_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
+    delta_conv_kernel: int = 0
+    conv_kernel: int = 0
     problems: list = field(default_factory=list)           # (config key, value, why) the entry cannot build
     # longrope: past this length HF rotates every position with the long factors (and re-runs the whole sequence),
     # which a cache built position by position cannot follow: the context must stay within it
@@ -65,12 +72,38 @@ class Geometry:
     def has_experts(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.dense_mlp_layers
 
+    @property
+    def recurrent(self) -> bool:
+        """Has layers with a recurrent state (which a step cannot take back)."""
+        return any(t in archs.RECURRENT_KINDS for t in self.layer_types)
+
+    def kind(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    @property
+    def delta_conv_channels(self) -> int:
+        """A Gated DeltaNet layer's conv channels: q, k (key heads x key dim each) and v (value heads x value dim)."""
+        return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
+
+    def state_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
+        """A recurrent layer's state: its conv's last kernel - 1 inputs and, for a Gated DeltaNet, the fp32 matrix
+        per value head; {} for an attention layer (its K/V cache: kv_layout)."""
+        kind = self.kind(i)
+        if kind == "linear_attention":
+            return {"conv": (self.delta_conv_kernel - 1, self.delta_conv_channels),
+                    "delta": (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)}
+        if kind == "conv":
+            return {"conv": (self.conv_kernel - 1, self.hidden_size)}
+        return {}
+
     def linear_specs(self) -> dict[str, tuple[int, int, str]]:
         """Every linear's module name (as the architecture's entry lays the model out), (out_features, in_features)
         and role (archs.ROLES)."""
         a, h, out = self.entry, self.hidden_size, {}
         for i in range(self.num_layers):
-            out.update(self._attention_linears(a, i))
+            kind = self.kind(i)
+            out.update(self._delta_linears(a, i) if kind == "linear_attention" else
+                       self._conv_linears(a, i) if kind == "conv" else self._attention_linears(a, i))
             out.update(self._mlp_linears(a, i))
             if self.per_layer_input:
                 out[f"{a.layers}.{i}.per_layer_input_gate"] = (self.per_layer_input, h, "per_layer")
@@ -84,15 +117,29 @@ class Geometry:
         at, h = a.attention, self.hidden_size
         p = f"{a.layers}.{i}.{at.path}."
         q, kv = self.num_heads * self.layer_head_dim(i), self.layer_kv_head_count(i) * self.layer_head_dim(i)
+        q_rows = 2 * q if at.output_gate else q
         if at.qkv:
-            projs = {at.qkv: (q + 2 * kv, "qkv")}
+            projs = {at.qkv: (q_rows + 2 * kv, "qkv")}
         elif self.shares_kv(i):
-            projs = {at.q: (q, "q")}
+            projs = {at.q: (q_rows, "q")}
         else:
-            projs = {at.q: (q, "q"), at.k: (kv, "k"), **({} if i in self.k_eq_v_layers else {at.v: (kv, "v")})}
+            projs = {at.q: (q_rows, "q"), at.k: (kv, "k"), **({} if i in self.k_eq_v_layers else {at.v: (kv, "v")})}
         out = {p + name: (n_out, h, role) for name, (n_out, role) in projs.items()}
         out[p + at.o] = (h, q, "o")
         return out
+
+    def _delta_linears(self, a: archs.Arch, i: int) -> dict:
+        d, h = a.gated_delta, self.hidden_size
+        p = f"{a.layers}.{i}.{d.path}."
+        v = self.delta_value_heads * self.delta_value_dim
+        return {p + d.qkv: (self.delta_conv_channels, h, "delta_qkv"), p + d.z: (v, h, "delta_z"),
+                p + d.b: (self.delta_value_heads, h, "delta_gates"), p + d.a: (self.delta_value_heads, h, "delta_gates"),
+                p + d.out: (h, v, "delta_out")}
+
+    def _conv_linears(self, a: archs.Arch, i: int) -> dict:
+        c, h = a.short_conv, self.hidden_size
+        p = f"{a.layers}.{i}.{c.path}."
+        return {p + c.in_proj: (3 * h, h, "conv_in"), p + c.out: (h, h, "conv_out")}
 
     def _mlp_linears(self, a: archs.Arch, i: int) -> dict:
         m, h = a.mlp, self.hidden_size
@@ -113,6 +160,29 @@ class Geometry:
 
     def linear_roles(self) -> dict[str, str]:
         return {name: role for name, (_, _, role) in self.linear_specs().items()}
+
+    def recurrent_parameters(self) -> int:
+        """The recurrent layers' float parameters beside their linears: conv weights; a Gated DeltaNet's A_log,
+        dt_bias and gated norm."""
+        total = 0
+        for i in range(self.num_layers):
+            if self.kind(i) == "linear_attention":
+                total += self.delta_conv_channels * self.delta_conv_kernel + 2 * self.delta_value_heads \
+                    + self.delta_value_dim
+            elif self.kind(i) == "conv":
+                total += self.hidden_size * self.conv_kernel
+        return total
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """The recurrent layers' state: the conv's in the activations' dtype, a Gated DeltaNet's matrix in fp32."""
+        total = 0
+        for i in range(self.num_layers):
+            for name, shape in self.state_shapes(i).items():
+                n = 1
+                for d in shape:
+                    n *= d
+                total += n * (4 if name == "delta" else dtype_bytes)
+        return total
 
     def router_parameters(self) -> int:
         """The MoE routers' weights (kept in float, not linears of the model)."""
@@ -185,9 +255,17 @@ def from_config(config) -> Geometry:
         x = a.experts
         extra.update(num_experts=getattr(config, x.count_key), experts_per_token=getattr(config, x.top_k_key),
                      expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)))
+    if a.gated_delta is not None:
+        d = a.gated_delta
+        extra.update(delta_key_heads=getattr(config, d.key_heads_key), delta_value_heads=getattr(config, d.value_heads_key),
+                     delta_key_dim=getattr(config, d.key_dim_key), delta_value_dim=getattr(config, d.value_dim_key),
+                     delta_conv_kernel=getattr(config, d.kernel_key))
+    if a.short_conv is not None:
+        extra.update(conv_kernel=getattr(config, a.short_conv.kernel_key))
     window = getattr(config, "sliding_window", None)
+    width = a.mlp.width(config) if a.mlp.width else getattr(config, a.mlp.width_key)
     return Geometry(
-        arch=a.model_type, hidden_size=config.hidden_size, intermediate_size=getattr(config, a.mlp.width_key),
+        arch=a.model_type, hidden_size=config.hidden_size, intermediate_size=width,
         num_layers=n, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=config.vocab_size,
         layer_types=types, sliding_window=window if "sliding_attention" in types else None,
         max_position_embeddings=getattr(config, "max_position_embeddings", None),

@@ -58,6 +58,15 @@ def _attention_inputs(a: archs.Arch, attn: nn.Module) -> list:
     return [m for m in (_linear(attn, at.qkv),) if m] or [m for m in (_linear(attn, n) for n in (at.q, at.k, at.v)) if m]
 
 
+def _recurrent_inputs(a: archs.Arch, kind: str, layer: nn.Module) -> list:
+    """A recurrent layer's input projections (they read the attention's norm). Its output projection reads a gated
+    norm (Gated DeltaNet) or a product C * conv (short conv): it is left alone."""
+    mixer = layer.get_submodule(a.mixer_path(kind))
+    names = (a.gated_delta.qkv, a.gated_delta.z, a.gated_delta.b, a.gated_delta.a) if kind == "linear_attention" \
+        else (a.short_conv.in_proj,)
+    return [m for m in (_linear(mixer, n) for n in names) if m]
+
+
 def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], list]:
     """(the module whose input is the MLP's, the weights that read it)."""
     mlp = a.mlp_module(layer)
@@ -102,9 +111,11 @@ def groups(model: nn.Module) -> list[Group]:
     a = archs.of_model(model)
     config = model.config.get_text_config()
     out: list[Group] = []
+    kinds = a.layer_kinds(config)
     for i, layer in enumerate(a.decoder_layers(model)):
-        attn = a.attention_module(layer)
-        attn_in = _attention_inputs(a, attn)
+        recurrent = kinds[i] in archs.RECURRENT_KINDS
+        attn = None if recurrent else a.attention_module(layer)
+        attn_in = _recurrent_inputs(a, kinds[i], layer) if recurrent else _attention_inputs(a, attn)
         mlp_hook, mlp_in = _mlp_inputs(a, layer)
         n = a.norms
         if n.attention_input and attn_in:
@@ -113,7 +124,7 @@ def groups(model: nn.Module) -> list[Group]:
                              norm=getattr(layer, n.attention_input)))
         if n.mlp_input and n.mlp_input != n.attention_input and mlp_in:
             out.append(Group(f"{i}.mlp", mlp_hook, mlp_in, norm=getattr(layer, n.mlp_input)))
-        out += _down_groups(a, i, layer) + _o_group(a, i, attn, config)
+        out += _down_groups(a, i, layer) + ([] if recurrent else _o_group(a, i, attn, config))
     return out
 
 

@@ -217,6 +217,8 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
     gate = vc[gate_of(ctx.cfg)]
     no_windows = ctx.geometry is not None and ctx.geometry.smallest_window is None  # the model has no sliding layers
     rings = CACHE_MODES[ctx.cfg.cache.mode].rings(cache_flags(ctx.cfg.cache))
+    # a recurrent state cannot step back: no runs ahead on a guess, no stepping back to the prompt's end
+    recurrent = ctx.geometry is not None and ctx.geometry.recurrent
     prompts, problems = [], []
     for text, ids in bar(verify_prompts(ctx, tok), desc="verify prompts", enabled=ctx.progress):
         room = ctx.cfg.export.max_context_len - len(ids)
@@ -224,14 +226,15 @@ def check_prompts(ctx, tok, pte, reference, eager_f, eos, other, floor=None) -> 
         if n < 1:
             raise VerifyFailed(f"verify.prompts: {text!r} is {len(ids)} tokens, no room in the context")
         got, got_logits = greedy(pte, ids, n, chunk, eos)
-        ref, ref_logits = greedy(reference, ids, n, chunk, eos, guess=got)
+        guess = () if recurrent else got
+        ref, ref_logits = greedy(reference, ids, n, chunk, eos, guess=guess)
         # later runs of the same module step back to the end of the prompt it holds, n - 1 positions: a ring of
         # window + chunk - 1 slots still holds the window there while n <= chunk; other sliding caches start over
-        steps_back = no_windows or (rings and n <= chunk)
+        steps_back = not recurrent and (no_windows or (rings and n <= chunk))
         pte_first, ref_first = (got_logits[0], ref_logits[0]) if steps_back else (None, None)
         same = {"greedy_match": leading_match(ref, got),
                 **compare(ref_logits, teacher_forced(pte, ids, ref, chunk, pte_first))}
-        flt, flt_logits = greedy(eager_f, ids, n, chunk, eos, guess=got)
+        flt, flt_logits = greedy(eager_f, ids, n, chunk, eos, guess=guess)
         vs_float = {"greedy_match": leading_match(flt, got),
                     **compare(flt_logits, teacher_forced(pte, ids, flt, chunk, pte_first))}
         # what quantization itself costs (eager, same tokens): the program should cost no more

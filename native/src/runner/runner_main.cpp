@@ -131,7 +131,12 @@ int run(const Options& given) {
       if (w.size() != s.size()) throw ProgramError("get_ring_windows and get_ring_slots differ in length");
       for (size_t l = 0; l < w.size(); ++l) rings.push_back({w[l], s[l]});
     }
-    cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings));
+    InGraphCache::Layers layers;
+    if (prog.has_method("get_layer_kinds")) {  // recurrent layers: their state is the program's
+      layers.kinds = prog.read_int_list("get_layer_kinds");
+      layers.state_shapes = prog.read_int_list("get_state_shapes");
+    }
+    cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings), std::move(layers));
   }
   KvCacheOwner& cache = *cache_owner;
   if (o.huge_pages) li.huge = back_with_huge_pages();

@@ -44,14 +44,24 @@ class KvCacheOwner {
 // position are masked by the program, so a rewind is bookkeeping, except that a
 // custom-mode program's ring layers (constant methods get_ring_windows /
 // get_ring_slots) only hold their last `slots` positions: a rewind must not go
-// below what they still hold (the same floor as the off-graph rings).
+// below what they still hold (the same floor as the off-graph rings). A program
+// with recurrent layers (get_layer_kinds, get_state_shapes) holds their state at
+// its current position only: it can go on or start over, not step back.
 class InGraphCache final : public KvCacheOwner {
  public:
   struct Ring {
     int64_t window = 0, slots = 0;
   };
-  explicit InGraphCache(int64_t capacity, std::vector<Ring> rings = {})
-      : capacity_(capacity), rings_(std::move(rings)) {}
+  // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv; per recurrent layer five dims (a
+  // DeltaNet's heads x key dim x value dim, or 0 0 0; its conv state's rows x channels).
+  struct Layers {
+    std::vector<int64_t> kinds, state_shapes;
+    bool recurrent() const {
+      return std::any_of(kinds.begin(), kinds.end(), [](int64_t k) { return k >= 2; });
+    }
+  };
+  explicit InGraphCache(int64_t capacity, std::vector<Ring> rings = {}, Layers layers = {})
+      : capacity_(capacity), rings_(std::move(rings)), layers_(std::move(layers)) {}
   const char* kind() const override { return "in-graph"; }
   int64_t capacity() const override { return capacity_; }
   int64_t length() const override { return length_; }
@@ -81,6 +91,12 @@ class InGraphCache final : public KvCacheOwner {
                ")";
       return false;
     }
+    if (layers_.recurrent() && pos > 0 && pos != length_) {
+      if (why)
+        *why = "cannot rewind to " + std::to_string(pos) + ": the program's recurrent state holds position " +
+               std::to_string(length_) + " only (0 to reset)";
+      return false;
+    }
     if (pos > 0 && pos < rewind_floor()) {
       if (why)
         *why = "cannot rewind to " + std::to_string(pos) +
@@ -97,12 +113,36 @@ class InGraphCache final : public KvCacheOwner {
     if (!rings_.empty())
       s += " | " + std::to_string(rings_.size()) + " ring layers (window " +
            std::to_string(rings_[0].window) + ", " + std::to_string(rings_[0].slots) + " slots)";
+    if (layers_.recurrent()) s += " | " + describe_layers();
     return s;
   }
 
  private:
+  // e.g. "4 layers: 3 deltanet(4x16x16) + 1 flat", kinds counted in order of first appearance
+  std::string describe_layers() const {
+    std::vector<std::pair<std::string, int>> counts;
+    size_t state = 0;
+    for (int64_t k : layers_.kinds) {
+      std::string name = k == 0 ? "flat" : k == 1 ? "ring" : "conv";
+      if (k >= 2 && state + 5 <= layers_.state_shapes.size()) {
+        const int64_t* d = layers_.state_shapes.data() + state;
+        name = k == 2 ? "deltanet(" + std::to_string(d[0]) + "x" + std::to_string(d[1]) + "x" + std::to_string(d[2]) + ")"
+                      : "conv(" + std::to_string(d[3]) + "x" + std::to_string(d[4]) + ")";
+        state += 5;
+      }
+      auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == name; });
+      if (it == counts.end()) counts.push_back({name, 1});
+      else ++it->second;
+    }
+    std::string s = std::to_string(layers_.kinds.size()) + " layers: ";
+    for (size_t i = 0; i < counts.size(); ++i)
+      s += (i ? " + " : "") + std::to_string(counts[i].second) + " " + counts[i].first;
+    return s;
+  }
+
   int64_t capacity_;
   std::vector<Ring> rings_;
+  Layers layers_;
   int64_t length_ = 0;
 };
 

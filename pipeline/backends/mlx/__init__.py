@@ -57,6 +57,9 @@ def refuses_arch(arch) -> str | None:
     logits); experts run as gather matmuls (experts.py) under silu only."""
     if arch.attention.sinks:
         return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
+    if arch.recurrent_kinds():
+        return (f"recurrent layers ({', '.join(arch.recurrent_kinds())}): the MLX programs do not build their state "
+                "yet (XNNPACK, cache.mode=custom does)")
     if arch.experts is not None and arch.experts.activation != "silu":
         return f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up here"
     return None

@@ -18,12 +18,15 @@ from typing import Callable, Optional
 
 from pipeline.errors import PipelineError
 
-# the layer kinds an attention cache mode builds; any other kind in a config (linear_attention, conv, ...) is refused
+# the layer kinds an attention cache mode builds
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# the layer kinds whose state is a fixed-size recurrent one (an entry declares which it has); any other is refused
+RECURRENT_KINDS = ("linear_attention", "conv")
 # the names of one expert's linears after the rewrite (pipeline/model/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
-ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head")
+ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
+         "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out")
 # rotary scalings that trace to a program: `dynamic` recomputes its frequencies in a Python branch on the length
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
@@ -59,6 +62,7 @@ class Attention:
     v_norm: bool = False               # values RMS-normalized (Gemma 4): o_proj's input cannot be smoothed through v
     sinks: Optional[str] = None        # a per-head sink logit parameter (gpt-oss): softmax over the keys and the sink
     head_dim_key: Optional[str] = "head_dim"   # None: hidden_size // heads whatever the config says (Phi-3)
+    output_gate: bool = False          # q's projection also holds a per-head gate on the output (Qwen3.5): 2x rows
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class Mlp:
     down: str = "down_proj"
     gate_up: Optional[str] = None      # one fused linear, gate rows then up rows (Phi-3, GLM-4)
     width_key: str = "intermediate_size"
+    width: Optional[Callable] = None   # config -> the MLP's width, where it is derived from width_key (LFM2)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,35 @@ class Experts:
     activation: str = "silu"           # "silu": act(gate) * up; "clamped_swiglu": gpt-oss's, limit and alpha
     # layers whose MLP is dense, from the config (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
     dense_layers: Callable = field(default=lambda config: [])
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """A `linear_attention` layer (Qwen3.5): q|k|v through a short causal conv, then the gated delta rule over a
+    [value heads, key dim, value dim] state (pipeline/model/recurrent.py); a gated norm and out_proj."""
+    path: str = "linear_attn"          # in a decoder layer
+    qkv: str = "in_proj_qkv"           # rows q, k, v: the conv's channels
+    z: str = "in_proj_z"               # the output gate
+    b: str = "in_proj_b"               # the write strength (beta = sigmoid(b))
+    a: str = "in_proj_a"               # the decay's input
+    out: str = "out_proj"
+    conv: str = "conv1d"               # depthwise Conv1d over the q|k|v channels
+    norm: str = "norm"                 # gated RMSNorm over each head's output
+    key_heads_key: str = "linear_num_key_heads"
+    value_heads_key: str = "linear_num_value_heads"
+    key_dim_key: str = "linear_key_head_dim"
+    value_dim_key: str = "linear_value_head_dim"
+    kernel_key: str = "linear_conv_kernel_dim"
+
+
+@dataclass(frozen=True)
+class ShortConv:
+    """A `conv` layer (LFM2): in_proj to B|C|x, y = C * conv(B * x) over a depthwise causal conv, out_proj."""
+    path: str = "conv"                 # in a decoder layer
+    in_proj: str = "in_proj"
+    out: str = "out_proj"
+    conv: str = "conv"
+    kernel_key: str = "conv_L_cache"
 
 
 @dataclass(frozen=True)
@@ -115,6 +149,8 @@ class Arch:
     experts: Optional[Experts] = None
     norms: Norms = Norms()
     per_layer: Optional[PerLayer] = None
+    gated_delta: Optional[GatedDeltaNet] = None    # the model's `linear_attention` layers
+    short_conv: Optional[ShortConv] = None         # the model's `conv` layers
     layers: str = "model.layers"       # the decoder layers, in the causal LM
     layer_kinds: Callable = field(default=_config_layer_kinds)
     # what HF's forward applies and the entry only records (the support table; preflight's refusals)
@@ -139,6 +175,21 @@ class Arch:
     def attention_module(self, layer):
         return layer.get_submodule(self.attention.path)
 
+    def attention_layers(self, model) -> list[tuple[int, object]]:
+        """(index, decoder layer) of every layer whose token mixer is attention (not a recurrent layer)."""
+        kinds = self.layer_kinds(model.config.get_text_config())
+        return [(i, layer) for i, (layer, kind) in enumerate(zip(self.decoder_layers(model), kinds))
+                if kind not in RECURRENT_KINDS]
+
+    def recurrent_kinds(self) -> tuple[str, ...]:
+        """The recurrent layer kinds this entry declares (archs.RECURRENT_KINDS)."""
+        return (("linear_attention",) if self.gated_delta else ()) + (("conv",) if self.short_conv else ())
+
+    def mixer_path(self, kind: str) -> str:
+        """Where a layer of this kind keeps its token mixer: the attention, or a recurrent layer's block."""
+        return {"linear_attention": self.gated_delta.path if self.gated_delta else None,
+                "conv": self.short_conv.path if self.short_conv else None}.get(kind, self.attention.path)
+
     def mlp_module(self, layer):
         return layer.get_submodule(self.mlp.path)
 
@@ -158,9 +209,10 @@ class Arch:
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
         if self.experts is not None and self.experts.activation == "silu" and act not in (None, "silu"):
             out.append(("hidden_act", act, "the experts' kernel runs silu(gate) * up: allowed ['silu']"))
-        kinds = sorted(set(self.layer_kinds(config)) - set(ATTENTION_KINDS))
+        known = ATTENTION_KINDS + self.recurrent_kinds()
+        kinds = sorted(set(self.layer_kinds(config)) - set(known))
         if kinds:
-            out.append(("layer_types", kinds, f"layer kinds the attention cache modes build: {list(ATTENTION_KINDS)}"))
+            out.append(("layer_types", kinds, f"layer kinds the {self.family} entry builds: {list(known)}"))
         for rope in _rope_types(config):
             if rope not in ROPE_TYPES:
                 out.append(("rope_parameters.rope_type", rope,

@@ -29,6 +29,7 @@ from torch import nn
 
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
                                       kv_source, link_kv_sources, query_positions, sinks_arg, step_args)
+from pipeline.model import recurrent
 from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
 
 # both: the fused op; one alone: that half of it (pipeline/model/custom_ops.py), as ExecuTorch's llama:: ops allow
@@ -136,11 +137,13 @@ def rings(flags: dict) -> bool:
 
 
 def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
-    """get_ring_windows / get_ring_slots (one entry per ring layer), when the program has rings."""
+    """get_ring_windows / get_ring_slots (one entry per ring layer), when the program has rings; the recurrent
+    layers' state (recurrent.state_methods), when it has them."""
+    out = recurrent.state_methods(cfg, rings(flags))
     ring_windows = [s.window for s in cache_layout(cfg).specs if s.window > 0] if rings(flags) else []
     if not ring_windows:
-        return {}
-    return {"get_ring_windows": torch.tensor(ring_windows, dtype=torch.long),
+        return out
+    return {**out, "get_ring_windows": torch.tensor(ring_windows, dtype=torch.long),
             "get_ring_slots": torch.tensor([ring_slots(w, chunk, context) for w in ring_windows], dtype=torch.long)}
 
 
@@ -186,18 +189,24 @@ class CustomCacheLM(HookedAttentionLM):
                               persistent=False)
             self.slots.append(slots)
         link_kv_sources(layers, layout)
+        # recurrent layers: their state in buffers beside the caches, the conv's in the activations' dtype
+        recurrent.install_mixers(model, next(model.parameters()).dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self._logits(tokens, positions, rows)
+        with recurrent.step_positions(self, positions):
+            return self._logits(tokens, positions, rows)
 
     def cache_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(("k_cache", "v_cache")))
+        kv = sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n.endswith(("k_cache", "v_cache")))
+        return kv + sum(m.state_bytes() for m in recurrent.mixers(self))
 
     def reset(self) -> None:
         for n, b in self.named_buffers():
             if n.endswith(("k_cache", "v_cache")):
                 b.zero_()
+        for m in recurrent.mixers(self):
+            m.reset()
 
 
 def kv_dtype_refused(flags: dict) -> str | None:
@@ -220,6 +229,9 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 def refuses_arch(arch, flags: dict) -> str | None:
     """The fused op takes sinks; either op alone attends with HF's or llmpipe::sdpa's softmax, which has none."""
+    if arch.recurrent_kinds() and not fused(flags):
+        return (f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is kept beside the fused op's "
+                "caches (custom_sdpa and custom_kv_cache both)")
     if arch.attention.sinks and not fused(flags):
         return ("attention sinks need both custom_sdpa and custom_kv_cache (the fused op takes them; "
                 "either op alone does not)")

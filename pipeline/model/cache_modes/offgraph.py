@@ -201,4 +201,6 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 
 def refuses_arch(arch, flags: dict) -> str | None:
+    if arch.recurrent_kinds():
+        return f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is built in cache.mode=custom only so far"
     return None  # its ops take sinks

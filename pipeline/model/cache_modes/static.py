@@ -101,4 +101,6 @@ def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
 
 
 def refuses_arch(arch, flags: dict) -> str | None:
+    if arch.recurrent_kinds():
+        return f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is built in cache.mode=custom only so far"
     return None  # HF's own attention (sinks too: gpt-oss's eager attention)

@@ -1,0 +1,225 @@
+"""Recurrent layers (pipeline/model/archs: RECURRENT_KINDS) in a form that exports: each layer's token mixer replaced
+by one that keeps its state in buffers and advances it with our ops, a step of any length at a time.
+
+    llmpipe::causal_conv(x, weight, bias?, state!, position, activation) -> out
+
+- x [1,T,C]; weight [C,K] (a depthwise conv over the last K inputs of each channel); bias [C] or None; state [K-1,C]
+  in x's dtype: the last K-1 inputs before this step (zeroed first when position[0] == 0); activation 0: none, 1: silu.
+- out[t] = act(bias + sum_j weight[:, j] * in[t + j]) over in = state then x; the state becomes in's last K-1 rows.
+
+A Gated DeltaNet layer (Qwen3.5) runs its q|k|v through that conv (silu), then llmpipe::gated_delta_rule
+(pipeline/model/gated_delta.py) over its [value heads, key dim, value dim] fp32 state; a short-conv layer (LFM2)
+computes C * conv(B * x). The mixers read the step's positions from the wrapper (`step_positions`): a step at 0
+starts a new sequence. The weights stay the HF module's (the same names, so quantization finds the linears where the
+geometry lists them); the conv weights, A_log, dt_bias and the norms stay in float.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from pipeline.model import archs, gated_delta
+from pipeline.model.attention import define_op
+
+NAMESPACE = "llmpipe"
+CONV_OP = "causal_conv"
+CONV_QUALNAME = f"{NAMESPACE}::{CONV_OP}"
+ACTIVATIONS = {"none": 0, "silu": 1}
+
+
+def causal_conv_ref(x, weight, bias, state, position, activation: int) -> torch.Tensor:
+    """Reference semantics (eager, float64 inside): convolve the step over the state, then keep its last inputs."""
+    if x.dim() != 3 or x.shape[0] != 1 or weight.dim() != 2 or weight.shape[0] != x.shape[2]:
+        raise ValueError(f"{CONV_QUALNAME}: x must be [1,T,C] and weight [C,K], got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    T, C = x.shape[1:]
+    K = weight.shape[1]
+    if state.shape != (K - 1, C) or state.dtype != x.dtype:
+        raise ValueError(f"{CONV_QUALNAME}: state must be [{K - 1},{C}] in x's dtype, got {state.dtype} "
+                         f"{tuple(state.shape)}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"{CONV_QUALNAME}: bias must be [{C}], got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS.values():
+        raise ValueError(f"{CONV_QUALNAME}: activation {activation}: allowed {ACTIVATIONS}")
+    pos = position.reshape(-1).tolist()
+    if len(pos) != T or pos != list(range(pos[0], pos[0] + T)) or pos[0] < 0:
+        raise ValueError(f"{CONV_QUALNAME}: position must be {T} consecutive entries from >= 0, got {pos}")
+    if pos[0] == 0:
+        state.zero_()
+    seq = torch.cat([state, x[0]]).to(torch.float64)                              # [K-1+T, C]
+    w = weight.to(torch.float64)
+    out = sum(w[:, j] * seq[j:j + T] for j in range(K))
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    if activation == ACTIVATIONS["silu"]:
+        out = out * torch.sigmoid(out)
+    state.copy_(seq[T:].to(state.dtype))
+    return out.unsqueeze(0).to(x.dtype)
+
+
+def _define() -> None:
+    def eager(x, weight, bias, state, position, activation):
+        return causal_conv_ref(x, weight, bias, state, position, int(activation))
+
+    def fake(x, weight, bias, state, position, activation):
+        return x.new_empty(x.shape)
+
+    globals()["_LIB"] = define_op(
+        NAMESPACE, CONV_OP, "Tensor x, Tensor weight, Tensor? bias, Tensor(a!) state, Tensor position, "
+        "int activation", "b", eager, fake)
+
+
+if not hasattr(getattr(torch.ops, NAMESPACE), CONV_OP):
+    _define()
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent layer's token mixer over state buffers; `_position` is set by `step_positions` for each call.
+    Called outside a step (the HF model's own forward: smoothing's calibration, a reference), it runs the sequence
+    from position 0 on scratch state and leaves its buffers as they were."""
+
+    def step(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(positions, the state buffers by name) for this call."""
+        pos = self.__dict__.get("_position")
+        buffers = dict(self.named_buffers(recurse=False))
+        if pos is None:
+            return torch.arange(hidden_states.shape[1]), {n: torch.zeros_like(b) for n, b in buffers.items()}
+        return pos, buffers
+
+    def reset(self) -> None:
+        for b in self.buffers(recurse=False):
+            b.zero_()
+
+    def state_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))
+
+
+class GatedDeltaMixer(RecurrentMixer):
+    """Qwen3.5's linear attention: q|k|v -> causal conv (silu) -> gated delta rule; z gates the normed output."""
+
+    def __init__(self, hf: nn.Module, spec: archs.GatedDeltaNet, config, dtype: torch.dtype):
+        super().__init__()
+        self.names = (spec.qkv, spec.z, spec.b, spec.a, spec.out, spec.conv, spec.norm)
+        for name in self.names:
+            setattr(self, name, hf.get_submodule(name))
+        self.A_log, self.dt_bias = hf.A_log, hf.dt_bias
+        self.key_heads = getattr(config, spec.key_heads_key)
+        self.value_heads = getattr(config, spec.value_heads_key)
+        self.key_dim = getattr(config, spec.key_dim_key)
+        self.value_dim = getattr(config, spec.value_dim_key)
+        kernel = getattr(config, spec.kernel_key)
+        channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        self.register_buffer("conv_state", torch.zeros(kernel - 1, channels, dtype=dtype), persistent=False)
+        self.register_buffer("state", torch.zeros(self.value_heads, self.key_dim, self.value_dim), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        qkv, z, b, a, out, conv, norm = (getattr(self, n) for n in self.names)
+        position, state = self.step(hidden_states)
+        T = hidden_states.shape[1]
+        x = torch.ops.llmpipe.causal_conv(qkv(hidden_states), conv.weight.squeeze(1), conv.bias, state["conv_state"],
+                                          position, ACTIVATIONS["silu"])
+        kd = self.key_heads * self.key_dim
+        q = x[..., :kd].reshape(1, T, self.key_heads, self.key_dim)
+        k = x[..., kd:2 * kd].reshape(1, T, self.key_heads, self.key_dim)
+        v = x[..., 2 * kd:].reshape(1, T, self.value_heads, self.value_dim)
+        core = torch.ops.llmpipe.gated_delta_rule(q, k, v, a(hidden_states), b(hidden_states), self.A_log.float(),
+                                                  self.dt_bias.float(), state["state"], position,
+                                                  self.key_dim ** -0.5)
+        gated = norm(core.reshape(-1, self.value_dim), z(hidden_states).reshape(-1, self.value_dim))
+        return out(gated.reshape(1, T, -1))
+
+
+class ShortConvMixer(RecurrentMixer):
+    """LFM2's short conv: in_proj -> B, C, x; y = C * conv(B * x); out_proj."""
+
+    def __init__(self, hf: nn.Module, spec: archs.ShortConv, config, dtype: torch.dtype):
+        super().__init__()
+        self.names = (spec.in_proj, spec.out, spec.conv)
+        for name in self.names:
+            setattr(self, name, hf.get_submodule(name))
+        conv = hf.get_submodule(spec.conv)
+        self.register_buffer("conv_state", torch.zeros(conv.kernel_size[0] - 1, conv.in_channels, dtype=dtype),
+                             persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        in_proj, out, conv = (getattr(self, n) for n in self.names)
+        position, state = self.step(hidden_states)
+        B, C, x = in_proj(hidden_states).chunk(3, dim=-1)
+        y = torch.ops.llmpipe.causal_conv(B * x, conv.weight.squeeze(1), conv.bias, state["conv_state"], position,
+                                          ACTIVATIONS["none"])
+        return out(C * y)
+
+
+def install_mixers(model: nn.Module, dtype: torch.dtype) -> list[RecurrentMixer]:
+    """Replace every recurrent layer's token mixer of an HF causal LM by ours (state buffers in `dtype`; the delta
+    rule's state in fp32 whatever it is). Returns them, in layer order."""
+    arch = archs.of_model(model)
+    config = model.config.get_text_config()
+    mixers = []
+    for layer, kind in zip(arch.decoder_layers(model), arch.layer_kinds(config)):
+        if kind not in archs.RECURRENT_KINDS:
+            continue
+        path = arch.mixer_path(kind)
+        hf = layer.get_submodule(path)
+        mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype) if kind == "linear_attention" else \
+            ShortConvMixer(hf, arch.short_conv, config, dtype)
+        setattr(layer, path, mixer)
+        mixers.append(mixer)
+    return mixers
+
+
+def mixers(module: nn.Module) -> list[RecurrentMixer]:
+    return [m for m in module.modules() if isinstance(m, RecurrentMixer)]
+
+
+@contextlib.contextmanager
+def step_positions(module: nn.Module, positions: torch.Tensor):
+    """Hand the step's positions [T] to every recurrent mixer in `module` for the duration of one call."""
+    found = mixers(module)
+    for m in found:
+        m.__dict__["_position"] = positions.reshape(-1)
+    try:
+        yield
+    finally:
+        for m in found:
+            m.__dict__.pop("_position", None)
+
+
+# get_layer_kinds codes: what each layer keeps from step to step
+LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3}
+
+
+def state_methods(text_config, rings: bool) -> dict:
+    """The constant methods that publish a model's recurrent state ({} without recurrent layers): get_layer_kinds
+    (per layer, LAYER_KIND_CODES) and get_state_shapes (per recurrent layer: value heads, key dim, value dim of a
+    Gated DeltaNet's matrix, 0 0 0 for a short conv; then its conv state's rows and channels)."""
+    from pipeline.model.geometry import from_config
+    g = from_config(text_config)
+    if not g.recurrent:
+        return {}
+    kinds, shapes = [], []
+    for i in range(g.num_layers):
+        kind = g.kind(i)
+        if kind in archs.RECURRENT_KINDS:
+            s = g.state_shapes(i)
+            shapes += [*s.get("delta", (0, 0, 0)), *s["conv"]]
+        else:
+            kind = "ring" if rings and kind == "sliding_attention" else "flat"
+        kinds.append(LAYER_KIND_CODES[kind])
+    return {"get_layer_kinds": torch.tensor(kinds, dtype=torch.long),
+            "get_state_shapes": torch.tensor(shapes, dtype=torch.long)}
+
+
+def describe(module: nn.Module) -> str:
+    """The state part of the [cache] line, e.g. `3 deltanet(4x16x16) + 1 conv(3x64)`, or ''."""
+    kinds: dict[str, int] = {}
+    for m in mixers(module):
+        key = f"deltanet({'x'.join(map(str, m.state.shape))})" if isinstance(m, GatedDeltaMixer) else \
+            f"conv({'x'.join(map(str, m.conv_state.shape))})"
+        kinds[key] = kinds.get(key, 0) + 1
+    return " + ".join(f"{n} {k}" for k, n in kinds.items())
+
+
+__all__ = ["causal_conv_ref", "install_mixers", "mixers", "step_positions", "describe", "gated_delta"]
