@@ -183,8 +183,10 @@ def lower(ctx) -> dict:
     pte = ctx.out / PROGRAM
     with open(pte, "wb") as f:
         et.write_to_file(f)
-    # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts)
-    ours = {"llmpipe"} if any(op.startswith("llmpipe") for op in report["by_op"]) else set()
+    # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts, a recurrent
+    # layer's state ops: an in-place op shows in the edge report as auto_functionalized, so ask the program itself)
+    called = {op.name for plan in et.executorch_program.execution_plan for op in plan.operators}
+    ours = {"llmpipe"} if any(name.startswith("llmpipe::") for name in called) else set()
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
                          "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours)}
     report["constant_methods"] = methods

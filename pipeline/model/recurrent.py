@@ -20,7 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
-from pipeline.model import archs, gated_delta
+from pipeline.model import archs, gated_delta  # noqa: F401 (defines llmpipe::gated_delta_rule)
 from pipeline.model.attention import define_op
 
 NAMESPACE = "llmpipe"
@@ -210,16 +210,3 @@ def state_methods(text_config, rings: bool) -> dict:
         kinds.append(LAYER_KIND_CODES[kind])
     return {"get_layer_kinds": torch.tensor(kinds, dtype=torch.long),
             "get_state_shapes": torch.tensor(shapes, dtype=torch.long)}
-
-
-def describe(module: nn.Module) -> str:
-    """The state part of the [cache] line, e.g. `3 deltanet(4x16x16) + 1 conv(3x64)`, or ''."""
-    kinds: dict[str, int] = {}
-    for m in mixers(module):
-        key = f"deltanet({'x'.join(map(str, m.state.shape))})" if isinstance(m, GatedDeltaMixer) else \
-            f"conv({'x'.join(map(str, m.conv_state.shape))})"
-        kinds[key] = kinds.get(key, 0) + 1
-    return " + ".join(f"{n} {k}" for k, n in kinds.items())
-
-
-__all__ = ["causal_conv_ref", "install_mixers", "mixers", "step_positions", "describe", "gated_delta"]

@@ -4,8 +4,8 @@ pipeline (wrap, quantize, export, lower, verify); on XNNPACK the C++ runner's to
 MLX programs run in the interpreter. Sliding-window families are built at a chunk of their window (the fitted
 default), so verify's long prompt (chunk + 16 tokens) runs past the window and wraps the rings.
 
-The CI tier builds one family of each kind (fused projections, post-norm, mixture of experts, attention sinks, and
-on MLX a dense one and a MoE); the slow tier (`pytest -m slow tests/e2e/test_families.py`) builds every cell.
+The CI tier builds one family of each kind (fused projections, post-norm, mixture of experts, attention sinks,
+recurrent layers of both kinds, and on MLX a dense one and a MoE); the slow tier (`pytest -m slow tests/e2e/test_families.py`) builds every cell.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ CI_CELLS = [("phi3", "xnnpack", "custom", "default"), ("phi3", "xnnpack", "offgr
             ("olmo2", "xnnpack", "custom", "default"), ("olmo2", "xnnpack", "static", "fp32"),
             ("qwen3_moe", "xnnpack", "custom", "default"), ("qwen3_moe", "xnnpack", "offgraph", "fp32"),
             ("gpt_oss", "xnnpack", "offgraph", "default"), ("gpt_oss", "xnnpack", "custom", "fp32"),
-            ("phi3", "mlx", "offgraph", "fp32"), ("qwen3_moe", "mlx", "custom", "default")]
+            ("phi3", "mlx", "offgraph", "fp32"), ("qwen3_moe", "mlx", "custom", "default"),
+            ("qwen3_5_text", "xnnpack", "custom", "default"), ("lfm2", "xnnpack", "custom", "fp32")]
 ALL_CELLS = [(t, b, m, s) for t, b, m in supported_cells() for s in SCHEMES]
 
 
@@ -91,6 +92,8 @@ def test_fused_projections_and_experts_take_every_scheme(model_type, scheme):
 
 def test_the_ci_cells_are_supported_cells():
     assert {c[:3] for c in CI_CELLS} <= set(supported_cells())
-    kinds = {"fused": "phi3", "post-norm": "olmo2", "experts": "qwen3_moe", "sinks": "gpt_oss"}
+    kinds = {"fused": "phi3", "post-norm": "olmo2", "experts": "qwen3_moe", "sinks": "gpt_oss",
+             "delta": "qwen3_5_text", "conv": "lfm2"}
     assert archs.ARCHS[kinds["fused"]].attention.qkv and archs.ARCHS[kinds["post-norm"]].norms.placement == "post"
     assert archs.ARCHS[kinds["experts"]].experts and archs.ARCHS[kinds["sinks"]].attention.sinks
+    assert archs.ARCHS[kinds["delta"]].gated_delta and archs.ARCHS[kinds["conv"]].short_conv

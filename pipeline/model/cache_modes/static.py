@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pipeline.model import recurrent
+
 FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the custom ops are the custom mode's (cache=custom takes either or both)"
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
@@ -22,11 +24,12 @@ def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int
 
     cfg = model.config.get_text_config()
     cache = StaticCache(config=cfg, max_cache_len=max_context_len)
-    # KV-shared layers (Gemma 4) keep HF's DummyLayer: they read their source layer's K/V
-    cache.layers = [layer if isinstance(layer, DummyLayer) else StaticLayer(max_context_len)
-                    for layer in cache.layers]
     lay = cache_layout(cfg)
-    specs = [lay.specs[c] for c in lay.layer_cache]
+    # KV-shared layers (Gemma 4) keep HF's DummyLayer: they read their source layer's K/V; a recurrent layer has none
+    # (its mixer keeps its state: pipeline/model/recurrent.py)
+    cache.layers = [layer if isinstance(layer, DummyLayer) else DummyLayer() if c < 0 else StaticLayer(max_context_len)
+                    for layer, c in zip(cache.layers, lay.layer_cache)]
+    specs = [lay.specs[c] for c in lay.layer_cache]  # a recurrent layer (-1): any, its DummyLayer holds nothing
     dtype = next(model.parameters()).dtype
     cache.early_initialization(1, [s.kv_heads for s in specs], [s.head_dim for s in specs], dtype,
                                torch.device("cpu"))
@@ -69,15 +72,19 @@ class StaticCacheLM(nn.Module):
         self.model = model
         self.logits_mode = logits_mode
         self.cache = attach_static_cache(self, model, max_context_len)
+        recurrent.install_mixers(model, next(model.parameters()).dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start_step(self.cache, positions)
-        out = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0)
+        with recurrent.step_positions(self, positions):
+            out = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0)
         return out.logits
 
     def reset(self) -> None:
         reset_static_cache(self.cache)
+        for m in recurrent.mixers(self):
+            m.reset()
 
 
 def exports_non_strict(flags: dict) -> bool:
@@ -97,10 +104,8 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 
 def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
-    return {}
+    return recurrent.state_methods(cfg, rings=False)  # the recurrent layers' state, when the model has them
 
 
 def refuses_arch(arch, flags: dict) -> str | None:
-    if arch.recurrent_kinds():
-        return f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is built in cache.mode=custom only so far"
-    return None  # HF's own attention (sinks too: gpt-oss's eager attention)
+    return None  # HF's own attention (sinks too: gpt-oss's eager attention); recurrent layers keep their own state

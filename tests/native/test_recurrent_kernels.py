@@ -1,6 +1,8 @@
-"""llmpipe::gated_delta_rule: the Python twin (pipeline/model/gated_delta.py) against HF's own gated delta rule, its
-chunked form against the token-by-token recurrence, and the C++ kernel (native/src/kernels/gated_delta_kernel.cpp)
-in the ExecuTorch runtime against the twin, the state carried in the program's buffer across steps of any length."""
+"""The recurrent layers' ops. llmpipe::gated_delta_rule: the Python twin (pipeline/model/gated_delta.py) against HF's
+own gated delta rule, its chunked form against the token-by-token recurrence, and the C++ kernel
+(native/src/kernels/gated_delta_kernel.cpp) in the ExecuTorch runtime against the twin, the state carried in the
+program's buffer across steps of any length. llmpipe::causal_conv (pipeline/model/recurrent.py, its kernel
+native/src/kernels/causal_conv_kernel.cpp): in pieces against one causal conv over the whole sequence."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.model.gated_delta import gated_delta_rule_ref, gated_delta_rule_steps
+from pipeline.model.recurrent import causal_conv_ref
 from pipeline.runtimes.native_cache import load_native_kernels
 
 T, HK, HV, DK, DV = 150, 2, 4, 16, 8   # 150 tokens: two full chunks of 64 and a partial one
@@ -138,3 +141,60 @@ def test_kernel_refuses_positions_that_skip(program):
     args = [t[:, :3].contiguous() for t in x[:5]] + [torch.tensor([4, 5, 7])]
     with pytest.raises(RuntimeError):
         method.execute(args)
+
+
+C, K = 24, 4
+
+
+def conv_inputs(seed: int = 3, T: int = 40):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, T, C, generator=g), torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+
+
+@pytest.mark.parametrize("activation", [0, 1], ids=["none", "silu"])
+@pytest.mark.parametrize("piece", [1, 7, 40], ids=lambda p: f"piece{p}")
+def test_causal_conv_in_pieces_equals_one_conv(piece, activation):
+    """The state (the last K-1 inputs) carries a sequence cut anywhere: HF's causal conv (a padded depthwise Conv1d)
+    over the whole of it; a step at position 0 forgets what the state held."""
+    x, w, b = conv_inputs()
+    want = F.conv1d(x.transpose(1, 2), w[:, None], b, padding=K - 1, groups=C)[..., :x.shape[1]].transpose(1, 2)
+    if activation:
+        want = F.silu(want)
+    state = torch.full((K - 1, C), 5.0)
+    got = torch.cat([causal_conv_ref(x[:, p:p + piece], w, b, state, torch.arange(p, min(40, p + piece)), activation)
+                     for p in range(0, 40, piece)], 1)
+    assert (got - want).abs().max().item() < 1e-5
+    assert torch.equal(state, x[0, -(K - 1):])
+
+
+class _Conv(nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.register_buffer("w", w)
+        self.register_buffer("b", b)
+        self.register_buffer("state", torch.zeros(K - 1, C))
+
+    def forward(self, x, position):
+        return torch.ops.llmpipe.causal_conv(x, self.w, self.b, self.state, position, 1)
+
+
+def test_causal_conv_kernel_equals_its_twin_across_steps(tmp_path):
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+    from executorch.runtime import Runtime
+    x, w, b = conv_inputs(T=60)
+    n = torch.export.Dim("n", min=1, max=64)
+    with torch.no_grad():
+        ep = torch.export.export(_Conv(w, b), (x[:, :3], torch.arange(3)), dynamic_shapes=({1: n}, {0: n}))
+    (tmp_path / "conv.pte").write_bytes(to_edge(ep).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer)
+    load_native_kernels()
+    method = Runtime.get().load_program(str(tmp_path / "conv.pte")).load_method("forward")
+    state = torch.zeros(K - 1, C)
+    pos = 0
+    for step in [5, 1, 1, 20, 3, 30]:  # 60 positions, then a new sequence
+        if pos == 60:
+            pos = 0
+        xs, positions = x[:, pos:pos + step].contiguous(), torch.arange(pos, pos + step)
+        got = method.execute([xs, positions])[0]
+        want = causal_conv_ref(xs, w, b, state, positions, 1)
+        assert (got - want).abs().max().item() < 1e-5, (pos, step)
+        pos += step
