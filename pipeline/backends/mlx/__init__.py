@@ -58,8 +58,7 @@ def refuses_arch(arch) -> str | None:
     if arch.attention.sinks:
         return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
     if arch.recurrent_kinds():
-        return (f"recurrent layers ({', '.join(arch.recurrent_kinds())}): the MLX programs do not build their state "
-                "yet (XNNPACK, cache.mode=custom does)")
+        return "recurrent layers: MLX programs do not build their state yet (backend=xnnpack does)"
     if arch.experts is not None and arch.experts.activation != "silu":
         return f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up here"
     return None

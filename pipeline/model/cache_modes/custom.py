@@ -230,8 +230,8 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 def refuses_arch(arch, flags: dict) -> str | None:
     """The fused op takes sinks; either op alone attends with HF's or llmpipe::sdpa's softmax, which has none."""
     if arch.recurrent_kinds() and not fused(flags):
-        return (f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is kept beside the fused op's "
-                "caches (custom_sdpa and custom_kv_cache both)")
+        return ("recurrent layers: their state is kept beside the fused op's caches (custom_sdpa and "
+                "custom_kv_cache both)")
     if arch.attention.sinks and not fused(flags):
         return ("attention sinks need both custom_sdpa and custom_kv_cache (the fused op takes them; "
                 "either op alone does not)")

@@ -202,5 +202,5 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 def refuses_arch(arch, flags: dict) -> str | None:
     if arch.recurrent_kinds():
-        return f"recurrent layers ({', '.join(arch.recurrent_kinds())}): their state is built in cache.mode=custom only so far"
+        return "recurrent layers: the off-graph runtime does not own their state yet (cache.mode=custom or static)"
     return None  # its ops take sinks
