@@ -9,6 +9,10 @@ Which cache an attention op reaches: a process-global binding. `with cache.bound
 one (the op raises a clear error if nothing is bound); the C++ kernel follows the same rule with its own
 registry. The caller checks a step, runs it bound, and commits it once the whole forward succeeded:
 pipeline/runtimes/base.py `step` does that for every holder of a runtime-owned cache.
+
+Recurrent layers keep a fixed-size state here too (`set_states`, fp32 whatever the K/V dtype; the ops
+llmpipe::state_delta / state_conv in pipeline/model/recurrent.py): it holds the current length only, so a step
+goes on at the length or starts over at 0, and a rewind goes to 0.
 """
 from __future__ import annotations
 
@@ -92,6 +96,21 @@ class OffgraphCache:
         self.length = 0
         self.layers = [_Layer(s, self.capacity, self.max_write, self.initial_capacity, dtype) for s in specs]
         self.shared_layers = 0  # attention layers that read another layer's cache (the report says so)
+        self.states: list[dict[str, torch.Tensor]] = []  # per recurrent layer: "conv" and, for a DeltaNet, "delta"
+
+    def set_states(self, dims: Sequence[int]) -> None:
+        """The recurrent layers' state: five dims each (a DeltaNet's heads, key dim, value dim, or 0 0 0; the conv's
+        rows and channels), as the program's get_state_shapes lists them."""
+        states = []
+        for i in range(0, len(dims) - 4, 5):
+            heads, dk, dv, rows, channels = (int(d) for d in dims[i:i + 5])
+            if rows < 1 or channels < 1 or min(heads, dk, dv) < 0 or (heads or dk or dv) and min(heads, dk, dv) < 1:
+                raise ValueError(f"state {i // 5}: bad shape {list(dims[i:i + 5])}")
+            state = {"conv": torch.zeros(rows, channels)}
+            if heads:
+                state["delta"] = torch.zeros(heads, dk, dv)
+            states.append(state)
+        self.states = states
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -138,6 +157,9 @@ class OffgraphCache:
 
     def check_step(self, pos: int, T: int) -> None:
         """Raises unless a step of T tokens at pos fits every layer (before anything is written)."""
+        if self.states and pos not in (0, self.length):
+            raise OffgraphCacheError(f"a step at position {pos}: the recurrent state holds position {self.length} "
+                                     "only (go on there, or start over at 0)")
         for layer in range(len(self.layers)):
             self.plan(layer, pos, T)
 
@@ -178,8 +200,11 @@ class OffgraphCache:
     def can_rewind(self, target: int) -> tuple[bool, str]:
         if target < 0 or target > self.length:
             return False, f"cannot rewind to {target} (length {self.length})"
-        if target == 0:
+        if target in (0, self.length):
             return True, ""
+        if self.states:
+            return False, (f"cannot rewind to {target}: the recurrent state holds position {self.length} only "
+                           "(0 to reset)")
         floor = self.rewind_floor()
         if target < floor:
             return False, (f"cannot rewind to {target}: the ring caches no longer hold its window "
@@ -194,6 +219,9 @@ class OffgraphCache:
 
     def reset(self) -> None:
         self.length = 0
+        for state in self.states:
+            for t in state.values():
+                t.zero_()
 
     def bound(self):
         return bound(self)
@@ -204,13 +232,20 @@ class OffgraphCache:
         ring_txt = " + ".join(f"{sum(1 for L in self.layers if L.spec.window == w)} ring(window {w})"
                               for w in rings)
         dt = DTYPE_LABELS.get(self.dtype, str(self.dtype))
+        kinds: dict[str, int] = {}
+        for s in self.states:  # sorted by name, as the C++ report does
+            name = f"deltanet({'x'.join(map(str, s['delta'].shape))})" if "delta" in s else \
+                f"conv({'x'.join(map(str, s['conv'].shape))})"
+            kinds[name] = kinds.get(name, 0) + 1
+        state_txt = "".join(f"{kinds[k]} {k} + " for k in sorted(kinds))
         return (f"[cache] off-graph seq | capacity={self.capacity} initial={self.initial_capacity} "
-                f"kv_dtype={dt}\n{len(self.layers)} layers: {flat} flat" + (f" + {ring_txt}" if rings else "")
-                + (f", {self.shared_layers} shared" if self.shared_layers else ""))
+                f"kv_dtype={dt}\n{len(self.layers) + len(self.states)} layers: {state_txt}{flat} flat"
+                + (f" + {ring_txt}" if rings else "") + (f", {self.shared_layers} shared" if self.shared_layers else ""))
 
     def nbytes(self) -> int:
-        """Bytes of K/V storage allocated now."""
-        return sum(L.k.numel() * L.k.element_size() + L.v.numel() * L.v.element_size() for L in self.layers)
+        """Bytes of K/V and state storage allocated now."""
+        return sum(L.k.numel() * L.k.element_size() + L.v.numel() * L.v.element_size() for L in self.layers) + \
+            sum(t.numel() * t.element_size() for s in self.states for t in s.values())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ geometry lists them); the conv weights, A_log, dt_bias and the norms stay in flo
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import nn
@@ -75,18 +76,75 @@ if not hasattr(getattr(torch.ops, NAMESPACE), CONV_OP):
     _define()
 
 
-class RecurrentMixer(nn.Module):
-    """A recurrent layer's token mixer over state buffers; `_position` is set by `step_positions` for each call.
-    Called outside a step (the HF model's own forward: smoothing's calibration, a reference), it runs the sequence
-    from position 0 on scratch state and leaves its buffers as they were."""
+def _define_state_ops() -> None:
+    """The off-graph mode's twins of the two ops: the state is the bound runtime cache's (state `state_id`)."""
+    from pipeline.model.offgraph_cache import OffgraphCacheError, bound_cache
 
-    def step(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(positions, the state buffers by name) for this call."""
+    def state(state_id: int, name: str) -> torch.Tensor:
+        cache = bound_cache()
+        if not 0 <= state_id < len(cache.states) or name not in cache.states[state_id]:
+            raise OffgraphCacheError(f"state_id {state_id}: the bound cache has {len(cache.states)} states, "
+                                     f"none with a {name!r} part there")
+        return cache.states[state_id][name]
+
+    def conv(x, weight, bias, position, state_id, activation):
+        return causal_conv_ref(x, weight, bias, state(int(state_id), "conv"), position, int(activation))
+
+    def delta(q, k, v, a, b, A_log, dt_bias, position, state_id, scale):
+        return gated_delta.gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, state(int(state_id), "delta"), position,
+                                                float(scale))
+
+    globals()["_LIB_STATE_CONV"] = define_op(
+        NAMESPACE, STATE_CONV_OP, "Tensor x, Tensor weight, Tensor? bias, Tensor position, int state_id, "
+        "int activation", "a", conv, lambda x, *rest: x.new_empty(x.shape))
+    globals()["_LIB_STATE_DELTA"] = define_op(
+        NAMESPACE, STATE_DELTA_OP, "Tensor q, Tensor k, Tensor v, Tensor a, Tensor b, Tensor A_log, Tensor dt_bias, "
+        "Tensor position, int state_id, float scale", "a", delta, lambda q, k, v, *rest: v.new_empty(v.shape))
+
+
+STATE_CONV_OP, STATE_DELTA_OP = "state_conv", "state_delta"
+if not hasattr(getattr(torch.ops, NAMESPACE), STATE_CONV_OP):
+    _define_state_ops()
+
+
+class RecurrentMixer(nn.Module):
+    """A recurrent layer's token mixer. Its state is in buffers of its own (custom and static modes) or, given a
+    `state_id`, in the runtime's off-graph cache; `_position` is set by `step_positions` for each call. Called outside
+    a step (the HF model's own forward: smoothing's calibration, a reference), it runs the sequence from position 0
+    on scratch state and leaves the state as it was."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], conv_dtype: torch.dtype, state_id: Optional[int]):
+        super().__init__()
+        self.shapes, self.state_id = shapes, state_id  # shapes: "conv" [K-1, C]; a DeltaNet's "delta" [Hv, Dk, Dv]
+        self.dtypes = {"conv": conv_dtype, "delta": torch.float32}
+        if state_id is None:
+            for name, shape in shapes.items():
+                self.register_buffer(f"{name}_state", torch.zeros(shape, dtype=self.dtypes[name]), persistent=False)
+
+    def _step(self) -> tuple[Optional[torch.Tensor], bool]:
+        """(the step's positions or None outside a step, whether the state is the runtime's)."""
         pos = self.__dict__.get("_position")
-        buffers = dict(self.named_buffers(recurse=False))
-        if pos is None:
-            return torch.arange(hidden_states.shape[1]), {n: torch.zeros_like(b) for n, b in buffers.items()}
-        return pos, buffers
+        return pos, pos is not None and self.state_id is not None
+
+    def _state(self, name: str, pos) -> torch.Tensor:
+        return getattr(self, f"{name}_state") if pos is not None else \
+            torch.zeros(self.shapes[name], dtype=self.dtypes[name])
+
+    def run_conv(self, x, conv: nn.Module, activation: str) -> torch.Tensor:
+        pos, runtime = self._step()
+        weight, act = conv.weight.squeeze(1), ACTIVATIONS[activation]
+        if runtime:
+            return torch.ops.llmpipe.state_conv(x, weight, conv.bias, pos, self.state_id, act)
+        position = pos if pos is not None else torch.arange(x.shape[1])
+        return torch.ops.llmpipe.causal_conv(x, weight, conv.bias, self._state("conv", pos), position, act)
+
+    def run_delta(self, q, k, v, a, b, A_log, dt_bias, scale: float) -> torch.Tensor:
+        pos, runtime = self._step()
+        if runtime:
+            return torch.ops.llmpipe.state_delta(q, k, v, a, b, A_log, dt_bias, pos, self.state_id, scale)
+        position = pos if pos is not None else torch.arange(q.shape[1])
+        return torch.ops.llmpipe.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, self._state("delta", pos), position,
+                                                  scale)
 
     def reset(self) -> None:
         for b in self.buffers(recurse=False):
@@ -99,34 +157,30 @@ class RecurrentMixer(nn.Module):
 class GatedDeltaMixer(RecurrentMixer):
     """Qwen3.5's linear attention: q|k|v -> causal conv (silu) -> gated delta rule; z gates the normed output."""
 
-    def __init__(self, hf: nn.Module, spec: archs.GatedDeltaNet, config, dtype: torch.dtype):
-        super().__init__()
-        self.names = (spec.qkv, spec.z, spec.b, spec.a, spec.out, spec.conv, spec.norm)
-        for name in self.names:
-            setattr(self, name, hf.get_submodule(name))
-        self.A_log, self.dt_bias = hf.A_log, hf.dt_bias
+    def __init__(self, hf: nn.Module, spec: archs.GatedDeltaNet, config, dtype: torch.dtype,
+                 state_id: Optional[int] = None):
         self.key_heads = getattr(config, spec.key_heads_key)
         self.value_heads = getattr(config, spec.value_heads_key)
         self.key_dim = getattr(config, spec.key_dim_key)
         self.value_dim = getattr(config, spec.value_dim_key)
-        kernel = getattr(config, spec.kernel_key)
         channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-        self.register_buffer("conv_state", torch.zeros(kernel - 1, channels, dtype=dtype), persistent=False)
-        self.register_buffer("state", torch.zeros(self.value_heads, self.key_dim, self.value_dim), persistent=False)
+        super().__init__({"conv": (getattr(config, spec.kernel_key) - 1, channels),
+                          "delta": (self.value_heads, self.key_dim, self.value_dim)}, dtype, state_id)
+        self.names = (spec.qkv, spec.z, spec.b, spec.a, spec.out, spec.conv, spec.norm)
+        for name in self.names:
+            setattr(self, name, hf.get_submodule(name))
+        self.A_log, self.dt_bias = hf.A_log, hf.dt_bias
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         qkv, z, b, a, out, conv, norm = (getattr(self, n) for n in self.names)
-        position, state = self.step(hidden_states)
         T = hidden_states.shape[1]
-        x = torch.ops.llmpipe.causal_conv(qkv(hidden_states), conv.weight.squeeze(1), conv.bias, state["conv_state"],
-                                          position, ACTIVATIONS["silu"])
+        x = self.run_conv(qkv(hidden_states), conv, "silu")
         kd = self.key_heads * self.key_dim
         q = x[..., :kd].reshape(1, T, self.key_heads, self.key_dim)
         k = x[..., kd:2 * kd].reshape(1, T, self.key_heads, self.key_dim)
         v = x[..., 2 * kd:].reshape(1, T, self.value_heads, self.value_dim)
-        core = torch.ops.llmpipe.gated_delta_rule(q, k, v, a(hidden_states), b(hidden_states), self.A_log.float(),
-                                                  self.dt_bias.float(), state["state"], position,
-                                                  self.key_dim ** -0.5)
+        core = self.run_delta(q, k, v, a(hidden_states), b(hidden_states), self.A_log.float(), self.dt_bias.float(),
+                          self.key_dim ** -0.5)
         gated = norm(core.reshape(-1, self.value_dim), z(hidden_states).reshape(-1, self.value_dim))
         return out(gated.reshape(1, T, -1))
 
@@ -134,27 +188,24 @@ class GatedDeltaMixer(RecurrentMixer):
 class ShortConvMixer(RecurrentMixer):
     """LFM2's short conv: in_proj -> B, C, x; y = C * conv(B * x); out_proj."""
 
-    def __init__(self, hf: nn.Module, spec: archs.ShortConv, config, dtype: torch.dtype):
-        super().__init__()
+    def __init__(self, hf: nn.Module, spec: archs.ShortConv, config, dtype: torch.dtype,
+                 state_id: Optional[int] = None):
+        conv = hf.get_submodule(spec.conv)
+        super().__init__({"conv": (conv.kernel_size[0] - 1, conv.in_channels)}, dtype, state_id)
         self.names = (spec.in_proj, spec.out, spec.conv)
         for name in self.names:
             setattr(self, name, hf.get_submodule(name))
-        conv = hf.get_submodule(spec.conv)
-        self.register_buffer("conv_state", torch.zeros(conv.kernel_size[0] - 1, conv.in_channels, dtype=dtype),
-                             persistent=False)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         in_proj, out, conv = (getattr(self, n) for n in self.names)
-        position, state = self.step(hidden_states)
         B, C, x = in_proj(hidden_states).chunk(3, dim=-1)
-        y = torch.ops.llmpipe.causal_conv(B * x, conv.weight.squeeze(1), conv.bias, state["conv_state"], position,
-                                          ACTIVATIONS["none"])
-        return out(C * y)
+        return out(C * self.run_conv(B * x, conv, "none"))
 
 
-def install_mixers(model: nn.Module, dtype: torch.dtype) -> list[RecurrentMixer]:
-    """Replace every recurrent layer's token mixer of an HF causal LM by ours (state buffers in `dtype`; the delta
-    rule's state in fp32 whatever it is). Returns them, in layer order."""
+def install_mixers(model: nn.Module, dtype: torch.dtype, runtime_state: bool = False) -> list[RecurrentMixer]:
+    """Replace every recurrent layer's token mixer of an HF causal LM by ours: state buffers (the conv's in `dtype`,
+    the delta rule's in fp32), or with `runtime_state` state ids 0, 1, ... into the off-graph cache. Returns them, in
+    layer order."""
     arch = archs.of_model(model)
     config = model.config.get_text_config()
     mixers = []
@@ -163,8 +214,9 @@ def install_mixers(model: nn.Module, dtype: torch.dtype) -> list[RecurrentMixer]
             continue
         path = arch.mixer_path(kind)
         hf = layer.get_submodule(path)
-        mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype) if kind == "linear_attention" else \
-            ShortConvMixer(hf, arch.short_conv, config, dtype)
+        state_id = len(mixers) if runtime_state else None
+        mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype, state_id) if kind == "linear_attention" else \
+            ShortConvMixer(hf, arch.short_conv, config, dtype, state_id)
         setattr(layer, path, mixer)
         mixers.append(mixer)
     return mixers

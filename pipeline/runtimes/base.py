@@ -78,6 +78,8 @@ class RunnerProgram:
             self.cache = runtime.Cache(specs, policy.capacity or ctx, self.chunk, policy.initial_capacity, dtype)
             if "get_n_shared_layers" in names:  # KV-shared layers read their source's cache: no cache of their own
                 self.cache.shared_layers = abi.ints(self.program.constant("get_n_shared_layers"))[0]
+            if "get_state_shapes" in names:  # recurrent layers: their state is the runtime's too
+                self.cache.set_states(abi.ints(self.program.constant("get_state_shapes")))
 
     def constant(self, name: str):
         return self.program.constant(name)

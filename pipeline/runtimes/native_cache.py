@@ -38,6 +38,7 @@ def load_native_kernels(path=None):
                             ("llmpipe_cache_allocated", i64, [vp, c_int]),
                             ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
                             ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
+                            ("llmpipe_cache_set_states", c_int, [vp, c_int, p64]),
                             ("llmpipe_back_with_huge_pages", i64, [i64]),
                             ("llmpipe_last_error", ctypes.c_char_p, [])]:
         fn = getattr(lib, name)
@@ -117,8 +118,15 @@ class NativeOffgraphCache:
         self._shared = int(n)
         self._lib.llmpipe_cache_set_shared(self._h, self._shared)
 
+    def set_states(self, dims: Sequence[int]) -> None:
+        """The recurrent layers' state: five dims each, as the program's get_state_shapes lists them."""
+        import ctypes
+        arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
+        if self._lib.llmpipe_cache_set_states(self._h, len(dims) // 5, arr) != 0:
+            raise ValueError(self._error())
+
     def nbytes(self) -> int:
-        """Bytes of K/V storage allocated now."""
+        """Bytes of K/V and state storage allocated now."""
         return self._lib.llmpipe_cache_bytes(self._h)
 
     def describe(self) -> str:

@@ -265,6 +265,9 @@ int run(const Options& given) {
   if (!info.offgraph)
     throw ProgramError("this program keeps its KV cache in the graph (no constant method 'get_n_caches'): "
                        "llm_batched_runner serves off-graph programs (cache.mode=offgraph); use llm_runner");
+  if (prog.has_method("get_state_shapes"))
+    throw ProgramError("this program has recurrent layers (constant method 'get_state_shapes'): llm_batched_runner "
+                       "does not hold their state per session yet; use llm_runner");
   const int64_t max_session = o.max_session_tokens == 0 ? info.max_context_len : o.max_session_tokens;
   if (max_session > info.max_context_len)
     throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +

@@ -1,5 +1,6 @@
-// llmpipe::gated_delta_rule.out: a Gated DeltaNet layer's recurrence (Qwen3.5, Qwen3-Next) over its state, which the
-// op updates in place. Python twin and the math: pipeline/model/gated_delta.py.
+// The gated delta rule (Qwen3.5, Qwen3-Next Gated DeltaNet layers), recurrent_core.h's run_delta, and
+// llmpipe::gated_delta_rule.out: the custom and static modes' op over a state buffer of the program, updated in place.
+// Python twin and the math: pipeline/model/gated_delta.py.
 //
 //   q, k [1,T,Hk,Dk] (unnormalized), v [1,T,Hv,Dv], a, b [1,T,Hv], A_log, dt_bias [Hv], all Float; Hv % Hk == 0;
 //   state [Hv,Dk,Dv] Float (zeroed first when position[0] == 0); position [T] consecutive; out [1,T,Hv,Dv] Float.
@@ -17,8 +18,9 @@
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 #include "kernels/checked_kernel.h"
+#include "kernels/recurrent_core.h"
 
-namespace llmrt::gated_delta {
+namespace llmrt::recurrent {
 namespace {
 
 using executorch::aten::ScalarType;
@@ -28,14 +30,6 @@ using executorch::runtime::KernelRuntimeContext;
 
 constexpr int64_t kChunk = 64;   // the twin's CHUNK
 constexpr float kL2Eps = 1e-6f;  // HF's l2norm: x * rsqrt(sum(x^2) + eps)
-
-struct Step {
-  const float *q, *k, *v, *a, *b, *A_log, *dt_bias;
-  float* state;
-  float* out;
-  int64_t T, Hk, Hv, Dk, Dv;
-  float scale;
-};
 
 inline float dot(const float* x, const float* y, int64_t n) {
   float s = 0.f;
@@ -59,9 +53,9 @@ inline void l2_normalized(const float* x, int64_t n, float mul, float* dst) {
 inline double softplus(double x) { return x > 20.0 ? x : std::log1p(std::exp(x)); }
 
 // One value head over the whole step, chunk by chunk.
-void run_head(const Step& p, int64_t h) {
+void run_head(const DeltaStep& p, float* state, int64_t h) {
   const int64_t Dk = p.Dk, Dv = p.Dv, kh = h / (p.Hv / p.Hk);
-  float* S = p.state + h * Dk * Dv;
+  float* S = state + h * Dk * Dv;
   const double decay_rate = std::exp(static_cast<double>(p.A_log[h]));
   std::vector<float> Q(kChunk * Dk), K(kChunk * Dk), W(kChunk * Dk), U(kChunk * Dv), O(kChunk * Dv);
   std::vector<float> gamma(kChunk), beta(kChunk), carry(kChunk);
@@ -119,47 +113,62 @@ void run_head(const Step& p, int64_t h) {
   }
 }
 
-bool is_float(const Tensor& t, int64_t dim) { return t.scalar_type() == ScalarType::Float && t.dim() == dim; }
+}  // namespace
+
+bool delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
+                const Tensor& A_log, const Tensor& dt_bias, const Tensor& position, double scale, Tensor& out,
+                DeltaStep* s, std::string* why) {
+  auto no = [&](const char* msg) {
+    *why = msg;
+    return false;
+  };
+  if (!is_float(q, 4) || !is_float(k, 4) || !is_float(v, 4) || q.size(0) != 1 || v.size(0) != 1)
+    return no("q, k must be Float [1,T,Hk,Dk] and v Float [1,T,Hv,Dv]");
+  const int64_t T = q.size(1), Hk = q.size(2), Dk = q.size(3), Hv = v.size(2), Dv = v.size(3);
+  for (int d = 0; d < 4; ++d)
+    if (k.size(d) != q.size(d)) return no("k must have q's shape");
+  if (v.size(1) != T || Hk == 0 || Hv % Hk != 0) return no("v must be [1,T,Hv,Dv] with Hv a multiple of Hk");
+  if (!is_float(a, 3) || !is_float(b, 3) || a.size(0) != 1 || a.size(1) != T || a.size(2) != Hv ||
+      b.size(0) != 1 || b.size(1) != T || b.size(2) != Hv)
+    return no("a, b must be Float [1,T,Hv]");
+  if (!is_float(A_log, 1) || !is_float(dt_bias, 1) || A_log.size(0) != Hv || dt_bias.size(0) != Hv)
+    return no("A_log, dt_bias must be Float [Hv]");
+  if (!consecutive(position, T, &s->pos, why)) return false;
+  if (out.scalar_type() != ScalarType::Float || executorch::runtime::resize_tensor(out, v.sizes()) != Error::Ok)
+    return no("out must be Float, resizable to v's shape");
+  s->q = q.const_data_ptr<float>(), s->k = k.const_data_ptr<float>(), s->v = v.const_data_ptr<float>();
+  s->a = a.const_data_ptr<float>(), s->b = b.const_data_ptr<float>();
+  s->A_log = A_log.const_data_ptr<float>(), s->dt_bias = dt_bias.const_data_ptr<float>();
+  s->out = out.mutable_data_ptr<float>();
+  s->T = T, s->Hk = Hk, s->Hv = Hv, s->Dk = Dk, s->Dv = Dv, s->scale = static_cast<float>(scale);
+  return true;
+}
+
+void run_delta(const DeltaStep& s, float* state) {
+  if (s.T > 0 && s.pos == 0) std::fill(state, state + s.Hv * s.Dk * s.Dv, 0.f);  // a new sequence
+  executorch::extension::parallel_for(0, s.Hv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) run_head(s, state, h);
+  });
+}
+
+namespace {
 
 Tensor& gated_delta_rule_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& a, const Tensor& b, const Tensor& A_log, const Tensor& dt_bias,
                              Tensor& state, const Tensor& position, double scale, Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::gated_delta_rule: %s", msg.c_str());
+  DeltaStep s;
+  std::string why;
+  if (!delta_step(q, k, v, a, b, A_log, dt_bias, position, scale, out, &s, &why) ||
+      (!is_float(state, 3) || state.size(0) != s.Hv || state.size(1) != s.Dk || state.size(2) != s.Dv)) {
+    ET_LOG(Error, "llmpipe::gated_delta_rule: %s", why.empty() ? "state must be Float [Hv,Dk,Dv]" : why.c_str());
     ctx.fail(Error::InvalidArgument);
     return out;
-  };
-  if (!is_float(q, 4) || !is_float(k, 4) || !is_float(v, 4) || q.size(0) != 1 || v.size(0) != 1)
-    return fail("q, k must be Float [1,T,Hk,Dk] and v Float [1,T,Hv,Dv]");
-  const int64_t T = q.size(1), Hk = q.size(2), Dk = q.size(3), Hv = v.size(2), Dv = v.size(3);
-  for (int d = 0; d < 4; ++d)
-    if (k.size(d) != q.size(d)) return fail("k must have q's shape");
-  if (v.size(1) != T || Hk == 0 || Hv % Hk != 0) return fail("v must be [1,T,Hv,Dv] with Hv a multiple of Hk");
-  if (!is_float(a, 3) || !is_float(b, 3) || a.size(0) != 1 || a.size(1) != T || a.size(2) != Hv ||
-      b.size(0) != 1 || b.size(1) != T || b.size(2) != Hv)
-    return fail("a, b must be Float [1,T,Hv]");
-  if (!is_float(A_log, 1) || !is_float(dt_bias, 1) || A_log.size(0) != Hv || dt_bias.size(0) != Hv)
-    return fail("A_log, dt_bias must be Float [Hv]");
-  if (!is_float(state, 3) || state.size(0) != Hv || state.size(1) != Dk || state.size(2) != Dv)
-    return fail("state must be Float [Hv,Dk,Dv]");
-  if (position.dim() != 1 || position.size(0) != T || position.scalar_type() != ScalarType::Long)
-    return fail("position must be Long [T]");
-  const int64_t* pos = position.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    if (pos[t] != pos[0] + t || pos[0] < 0) return fail("positions must be consecutive from >= 0");
-  if (out.scalar_type() != ScalarType::Float || executorch::runtime::resize_tensor(out, v.sizes()) != Error::Ok)
-    return fail("out must be Float, resizable to v's shape");
-  Step p{q.const_data_ptr<float>(), k.const_data_ptr<float>(), v.const_data_ptr<float>(), a.const_data_ptr<float>(),
-         b.const_data_ptr<float>(), A_log.const_data_ptr<float>(), dt_bias.const_data_ptr<float>(),
-         state.mutable_data_ptr<float>(), out.mutable_data_ptr<float>(), T, Hk, Hv, Dk, Dv, static_cast<float>(scale)};
-  if (T > 0 && pos[0] == 0) std::fill(p.state, p.state + Hv * Dk * Dv, 0.f);  // a new sequence
-  executorch::extension::parallel_for(0, Hv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t h = begin; h < end; ++h) run_head(p, h);
-  });
+  }
+  run_delta(s, state.mutable_data_ptr<float>());
   return out;
 }
 
 }  // namespace
-}  // namespace llmrt::gated_delta
+}  // namespace llmrt::recurrent
 
-LLMPIPE_KERNEL(llmpipe, "gated_delta_rule.out", llmrt::gated_delta::gated_delta_rule_out);
+LLMPIPE_KERNEL(llmpipe, "gated_delta_rule.out", llmrt::recurrent::gated_delta_rule_out);

@@ -95,6 +95,12 @@ bool OffgraphKvCache::plan(int layer, int64_t pos, int64_t T, Plan* out, std::st
 }
 
 bool OffgraphKvCache::check_step(int64_t pos, int64_t T, std::string* why) const {
+  if (!states_.empty() && pos != 0 && pos != length_) {
+    if (why)
+      *why = "a step at position " + std::to_string(pos) + ": the recurrent state holds position " +
+             std::to_string(length_) + " only (go on there, or start over at 0)";
+    return false;
+  }
   for (int l = 0; l < n_layers(); ++l)
     if (!plan(l, pos, T, nullptr, why)) return false;
   return true;
@@ -141,7 +147,13 @@ bool OffgraphKvCache::can_rewind(int64_t target, std::string* why) const {
     if (why) *why = "cannot rewind to " + std::to_string(target) + " (length " + std::to_string(length_) + ")";
     return false;
   }
-  if (target == 0) return true;
+  if (target == 0 || target == length_) return true;
+  if (!states_.empty()) {
+    if (why)
+      *why = "cannot rewind to " + std::to_string(target) + ": the recurrent state holds position " +
+             std::to_string(length_) + " only (0 to reset)";
+    return false;
+  }
   int64_t floor = rewind_floor();
   if (target < floor) {
     if (why)
@@ -159,9 +171,35 @@ bool OffgraphKvCache::rewind(int64_t target, std::string* why) {
   return true;
 }
 
+void OffgraphKvCache::reset() {
+  length_ = 0;
+  for (State& s : states_) {
+    std::fill(s.delta.begin(), s.delta.end(), 0.f);
+    std::fill(s.conv.begin(), s.conv.end(), 0.f);
+  }
+}
+
+void OffgraphKvCache::set_states(std::vector<StateSpec> specs) {
+  std::vector<State> states(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const StateSpec& s = specs[i];
+    const bool delta = s.heads != 0 || s.key_dim != 0 || s.value_dim != 0;
+    if (s.conv_rows < 1 || s.conv_channels < 1 || s.heads < 0 || (delta && (s.heads < 1 || s.key_dim < 1 || s.value_dim < 1)))
+      throw std::invalid_argument("state " + std::to_string(i) + ": bad shape (heads " + std::to_string(s.heads) +
+                                  ", key dim " + std::to_string(s.key_dim) + ", value dim " +
+                                  std::to_string(s.value_dim) + ", conv " + std::to_string(s.conv_rows) + "x" +
+                                  std::to_string(s.conv_channels) + ")");
+    states[i].spec = s;
+    states[i].delta.assign(storage_bytes(s.heads, s.key_dim, s.value_dim, sizeof(float)) / sizeof(float), 0.f);
+    states[i].conv.assign(storage_bytes(s.conv_rows, s.conv_channels, 1, sizeof(float)) / sizeof(float), 0.f);
+  }
+  states_ = std::move(states);
+}
+
 int64_t OffgraphKvCache::bytes() const {
   int64_t b = 0;
   for (const Layer& L : layers_) b += static_cast<int64_t>(L.k.size() + L.v.size());
+  for (const State& s : states_) b += static_cast<int64_t>((s.delta.size() + s.conv.size()) * sizeof(float));
   return b;
 }
 
@@ -172,9 +210,18 @@ std::string OffgraphKvCache::describe() const {
     if (L.ring == 0) ++flat;
     else ++rings[L.spec.window];
   }
+  std::map<std::string, int> states;  // e.g. deltanet(16x128x128), conv(3x1024)
+  for (const State& st : states_) {
+    const StateSpec& p = st.spec;
+    ++states[p.heads ? "deltanet(" + std::to_string(p.heads) + "x" + std::to_string(p.key_dim) + "x" +
+                           std::to_string(p.value_dim) + ")"
+                     : "conv(" + std::to_string(p.conv_rows) + "x" + std::to_string(p.conv_channels) + ")"];
+  }
   std::string s = "[cache] off-graph seq | capacity=" + std::to_string(capacity_) +
                   " initial=" + std::to_string(initial_) + " kv_dtype=" + dtype_name(dtype_) + "\n" +
-                  std::to_string(n_layers()) + " layers: " + std::to_string(flat) + " flat";
+                  std::to_string(n_layers() + n_states()) + " layers: ";
+  for (auto& [name, n] : states) s += std::to_string(n) + " " + name + " + ";
+  s += std::to_string(flat) + " flat";
   for (auto& [w, n] : rings) s += " + " + std::to_string(n) + " ring(window " + std::to_string(w) + ")";
   if (shared_ > 0) s += ", " + std::to_string(shared_) + " shared";
   return s;

@@ -32,6 +32,11 @@
 //     oldest to newest; writes and reads are at most two runs each.
 //   - rewind(target): target <= length and not below what the rings still hold.
 // Storage: [slot][kv_head][dim], dtype Float, Half or BFloat16 (writes cast).
+//
+// Recurrent layers (set_states: the program's get_layer_kinds / get_state_shapes) keep a fixed-size state here
+// beside the attention caches, fp32 whatever the K/V dtype: a Gated DeltaNet's [heads][key dim][value dim] matrix and
+// a conv's last [rows][channels] inputs. llmpipe::state_delta.out / state_conv.out (state_kernels.cpp) advance it.
+// A state holds the current length only: a step goes on at the length or starts over at 0, and a rewind goes to 0.
 #pragma once
 
 #include <atomic>
@@ -54,6 +59,12 @@ using kv::Run;
 struct LayerSpec {
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
   int64_t window = 0;  // 0 = flat (full attention)
+};
+
+// A recurrent layer's state: a Gated DeltaNet's matrix (heads 0: none, a short conv) and its conv's last inputs.
+struct StateSpec {
+  int64_t heads = 0, key_dim = 0, value_dim = 0;
+  int64_t conv_rows = 0, conv_channels = 0;
 };
 
 class OffgraphKvCache {
@@ -89,7 +100,14 @@ class OffgraphKvCache {
   int64_t rewind_floor() const;
   bool can_rewind(int64_t target, std::string* why) const;
   bool rewind(int64_t target, std::string* why);
-  void reset() { length_ = 0; }
+  void reset();
+
+  // The recurrent layers' state, allocated (zeroed) here; throws std::invalid_argument on a bad shape.
+  void set_states(std::vector<StateSpec> specs);
+  int n_states() const { return static_cast<int>(states_.size()); }
+  const StateSpec& state_spec(int i) const { return states_[i].spec; }
+  float* delta_state(int i) { return states_[i].delta.data(); }
+  float* conv_state(int i) { return states_[i].conv.data(); }
 
   int64_t bytes() const;
   // Attention layers that read another layer's cache (KV-shared layers, the program's
@@ -106,7 +124,12 @@ class OffgraphKvCache {
     int64_t allocated = 0;  // slots allocated
     std::vector<uint8_t> k, v;
   };
+  struct State {
+    StateSpec spec;
+    std::vector<float> delta, conv;
+  };
   std::vector<Layer> layers_;
+  std::vector<State> states_;
   int64_t capacity_, max_write_, initial_;
   int dtype_, esize_;
   int64_t length_ = 0;

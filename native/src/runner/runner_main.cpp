@@ -117,9 +117,10 @@ int run(const Options& given) {
     const std::vector<int64_t> windows = o.windows(g.windows);
     std::vector<offgraph::LayerSpec> specs;
     for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-    cache_owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk,
-                                                       o.kv_initial(), o.kv_dtype(info.activation_dtype),
-                                                       g.n_shared);
+    auto owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk, o.kv_initial(),
+                                                      o.kv_dtype(info.activation_dtype), g.n_shared);
+    if (prog.has_method("get_state_shapes")) owner->set_states(prog.read_int_list("get_state_shapes"));
+    cache_owner = std::move(owner);
     prog.set_position_limit(o.kv_max_capacity);
   } else {
     if (info.offgraph)

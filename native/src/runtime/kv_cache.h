@@ -173,6 +173,13 @@ class OffgraphCacheOwner final : public KvCacheOwner {
   std::string describe() const override { return cache_.describe(); }
   int64_t bytes() const override { return cache_.bytes(); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
+  // The program's recurrent layers (get_state_shapes: five dims each): their state, held here.
+  void set_states(const std::vector<int64_t>& dims) {
+    std::vector<offgraph::StateSpec> specs;
+    for (size_t i = 0; i + 5 <= dims.size(); i += 5)
+      specs.push_back({dims[i], dims[i + 1], dims[i + 2], dims[i + 3], dims[i + 4]});
+    cache_.set_states(std::move(specs));
+  }
 
  private:
   offgraph::OffgraphKvCache cache_;

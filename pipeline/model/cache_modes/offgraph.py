@@ -17,6 +17,9 @@
   `llmpipe::attend_cached(q, position, cache_id, scale, out_dtype)` on its source layer's cache, which
   reads without writing (out [B,Hq,Tq,D]: values as wide as keys); its Tq query rows may be only the
   step's last ones. The program also publishes get_n_shared_layers (how many), for the cache report.
+- Recurrent layers (Qwen3.5, LFM2) keep their state in the runtime's cache too: their mixers call
+  llmpipe::state_conv / llmpipe::state_delta with a state id (pipeline/model/recurrent.py), and the program
+  publishes get_layer_kinds / get_state_shapes, from which the runtime sizes it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.model import recurrent
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
                                       sinks_arg, step_args)
 from pipeline.model.kv_layout import cache_layout
@@ -136,7 +140,7 @@ def constant_methods(cfg, context: int, chunk: int, flags: dict) -> dict:
         methods["get_n_shared_layers"] = lay.n_shared
     if any(s.v_dim != s.head_dim for s in lay.specs):
         methods["get_v_head_dims"] = torch.tensor([s.v_dim for s in lay.specs], dtype=torch.long)
-    return methods
+    return {**methods, **recurrent.state_methods(cfg, rings=True)}
 
 
 def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -180,12 +184,18 @@ class OffgraphLM(HookedAttentionLM):
         self.cache = OffgraphCache(self.layout.specs, max_context_len, prefill_chunk or max_context_len,
                                    initial_capacity, dtype)
         self.cache.shared_layers = self.layout.n_shared
+        # recurrent layers: their state in the cache, a state id each
+        recurrent.install_mixers(model, next(model.parameters()).dtype, runtime_state=True)
+        methods = recurrent.state_methods(model.config.get_text_config(), rings=True)
+        if methods:
+            self.cache.set_states(methods["get_state_shapes"].tolist())
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if _is_tracing():
-            return self._logits(tokens, positions, rows)
-        return run_step(self.cache, positions, lambda: self._logits(tokens, positions, rows))
+        with recurrent.step_positions(self, positions):
+            if _is_tracing():
+                return self._logits(tokens, positions, rows)
+            return run_step(self.cache, positions, lambda: self._logits(tokens, positions, rows))
 
     def reset(self) -> None:
         self.cache.reset()
@@ -201,6 +211,4 @@ def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: di
 
 
 def refuses_arch(arch, flags: dict) -> str | None:
-    if arch.recurrent_kinds():
-        return "recurrent layers: the off-graph runtime does not own their state yet (cache.mode=custom or static)"
-    return None  # its ops take sinks
+    return None  # its ops take sinks; recurrent layers' state is the runtime's

@@ -1,0 +1,67 @@
+// The recurrent layers' two computations, over state the caller owns: a program's buffer (custom and static modes:
+// gated_delta_kernel.cpp, causal_conv_kernel.cpp) or the runtime's off-graph cache (state_kernels.cpp). Python twins:
+// pipeline/model/gated_delta.py, pipeline/model/recurrent.py.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <executorch/runtime/kernel/kernel_includes.h>
+
+namespace llmrt::recurrent {
+
+inline bool is_float(const executorch::aten::Tensor& t, int64_t dim) {
+  return t.scalar_type() == executorch::aten::ScalarType::Float && t.dim() == dim;
+}
+
+// position Long [T], consecutive from >= 0: its first entry in *pos
+inline bool consecutive(const executorch::aten::Tensor& position, int64_t T, int64_t* pos, std::string* why) {
+  if (position.dim() != 1 || position.size(0) != T || position.scalar_type() != executorch::aten::ScalarType::Long) {
+    *why = "position must be Long [T]";
+    return false;
+  }
+  const int64_t* p = position.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    if (p[t] != p[0] + t || p[0] < 0) {
+      *why = "positions must be consecutive from >= 0";
+      return false;
+    }
+  *pos = T > 0 ? p[0] : 0;
+  return true;
+}
+
+// The gated delta rule: q, k [1,T,Hk,Dk], v [1,T,Hv,Dv], a, b [1,T,Hv], A_log, dt_bias [Hv], out [1,T,Hv,Dv], all
+// Float; state [Hv,Dk,Dv] fp32.
+struct DeltaStep {
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *a = nullptr, *b = nullptr, *A_log = nullptr,
+              *dt_bias = nullptr;
+  float* out = nullptr;
+  int64_t pos = 0, T = 0, Hk = 0, Hv = 0, Dk = 0, Dv = 0;
+  float scale = 1.f;
+};
+
+// Checks the step's tensors and resizes out; false with a reason.
+bool delta_step(const executorch::aten::Tensor& q, const executorch::aten::Tensor& k,
+                const executorch::aten::Tensor& v, const executorch::aten::Tensor& a,
+                const executorch::aten::Tensor& b, const executorch::aten::Tensor& A_log,
+                const executorch::aten::Tensor& dt_bias, const executorch::aten::Tensor& position, double scale,
+                executorch::aten::Tensor& out, DeltaStep* step, std::string* why);
+// Advances state (zeroed first at position 0) over the step, in the chunked form, a value head a task.
+void run_delta(const DeltaStep& step, float* state);
+
+// The causal conv: x [1,T,C], weight [C,K], bias [C] or none, out [1,T,C], all Float; state [K-1,C] Float.
+struct ConvStep {
+  const float *x = nullptr, *w = nullptr, *bias = nullptr;
+  float* out = nullptr;
+  int64_t pos = 0, T = 0, C = 0, K = 0;
+  bool silu = false;
+};
+
+bool conv_step(const executorch::aten::Tensor& x, const executorch::aten::Tensor& weight,
+               const std::optional<executorch::aten::Tensor>& bias, const executorch::aten::Tensor& position,
+               int64_t activation, executorch::aten::Tensor& out, ConvStep* step, std::string* why);
+// Convolves the step over state (zeroed first at position 0), then keeps its last K-1 inputs there.
+void run_conv(const ConvStep& step, float* state);
+
+}  // namespace llmrt::recurrent
