@@ -1,7 +1,7 @@
-"""Recurrent layers (pipeline/model/recurrent.py) on tiny Qwen3.5 and LFM2 models: the custom cache mode's wrapper
-against HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the default's;
-a step at 0 starts over; the HF model called alone leaves the state as it was; the program's published layer kinds;
-what preflight refuses."""
+"""Recurrent layers (pipeline/model/recurrent.py) on tiny Qwen3.5 and LFM2 models: each cache mode's wrapper against
+HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the default's; a step at 0
+starts over; the HF model called alone leaves the state as it was; a step back is refused; the program's published
+layer kinds; what preflight refuses."""
 from __future__ import annotations
 
 import pytest
@@ -18,15 +18,17 @@ HYBRIDS = ["qwen3_5_text", "lfm2"]
 N = 300
 
 
-@pytest.fixture(scope="module", params=HYBRIDS)
+@pytest.fixture(scope="module", params=[(t, m) for t in HYBRIDS for m in ("custom", "static", "offgraph")],
+                ids=lambda p: "-".join(p))
 def hybrid(request):
-    """(model_type, the wrapped custom-mode module, ids, HF's logits for every row)."""
-    model = tiny_model(request.param)
+    """(model_type, the wrapped module of a cache mode, ids, HF's logits for every row)."""
+    model_type, mode = request.param
+    model = tiny_model(model_type)
     ids = torch.randint(3, 500, (1, N), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids, use_cache=False).logits[0]
     make_exportable(model)
-    return request.param, wrap(model, "custom", 512, "full", 128), ids, want
+    return model_type, wrap(model, mode, 512, "full", 128), ids, want
 
 
 def run(module, ids: torch.Tensor, piece: int, start: int = 0) -> torch.Tensor:
@@ -46,19 +48,36 @@ def test_every_row_equals_hf_in_chunks(hybrid, piece):
     assert got[-20:].argmax(-1).tolist() == want[-20:].argmax(-1).tolist()
 
 
+def states(module) -> list[torch.Tensor]:
+    """The recurrent state wherever the mode keeps it: the mixers' buffers, or the runtime cache's."""
+    cache = getattr(module, "cache", None)
+    if hasattr(cache, "states"):
+        return [t for s in cache.states for t in s.values()]
+    return [b for m in recurrent.mixers(module) for b in m.buffers(recurse=False)]
+
+
 def test_a_step_at_zero_starts_over_and_the_hf_model_alone_leaves_the_state(hybrid):
     model_type, module, ids, want = hybrid
     run(module, ids.flip(1), 32)  # another sequence first: its state must not leak
-    states = [b.clone() for m in recurrent.mixers(module) for b in m.buffers(recurse=False)]
-    assert any(s.abs().sum() > 0 for s in states)
+    held = [s.clone() for s in states(module)]
+    assert held and all(s.abs().sum() > 0 for s in held)
     with torch.no_grad():
         alone = module.model(ids, use_cache=False).logits[0]
-    assert all(torch.equal(a, b) for a, b in zip(states, [b for m in recurrent.mixers(module)
-                                                          for b in m.buffers(recurse=False)]))
+    assert all(torch.equal(a, b) for a, b in zip(held, states(module)))
     assert (alone - want).abs().max().item() < 1e-4 * max(want.abs().max().item(), 10)
     got = run(module, ids, 64)
     assert (got - want).abs().max().item() < 1e-4 * max(want.abs().max().item(), 10)
-    assert module.cache_bytes() > sum(s.numel() * s.element_size() for s in states) > 0
+
+
+def test_the_runtime_s_state_cannot_step_back():
+    model = tiny_model("lfm2")
+    make_exportable(model)
+    module = wrap(model, "offgraph", 64, "last", 8)
+    ids = torch.randint(3, 500, (1, 12), generator=torch.Generator().manual_seed(2))
+    run(module, ids, 8)
+    with pytest.raises(Exception, match="recurrent state holds position 12 only"):
+        module(ids[:, :2], torch.arange(4, 6))
+    assert "4 layers: 2 conv(2x64) + 2 flat" in module.cache.describe()
 
 
 def test_the_program_publishes_each_layer_s_kind_and_state():
@@ -74,7 +93,6 @@ def test_the_program_publishes_each_layer_s_kind_and_state():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("cache=offgraph", "off-graph runtime does not own their state yet"),
     ("backend=mlx", "MLX programs do not build their state"),
     ("cache.custom_kv_cache=false", "kept beside the fused op"),
 ])
