@@ -310,8 +310,8 @@ def arch_problems(cfg, g: Geometry) -> Problems:
         out.append(("export.dtype", v(cfg.export.dtype), f"{name}: the experts' kernel (llmpipe::experts) computes "
                     "in fp32: allowed ['fp32']"))
     if g.recurrent and v(cfg.export.dtype) != "fp32":
-        out.append(("export.dtype", v(cfg.export.dtype), f"{name}: the recurrent layers' kernels (llmpipe::causal_conv, "
-                    "gated_delta_rule) take fp32 activations: allowed ['fp32']"))
+        out.append(("export.dtype", v(cfg.export.dtype), f"{name}: the recurrent layers' kernels "
+                    "(llmpipe::causal_conv, gated_delta_rule) take fp32 activations: allowed ['fp32']"))
     return out
 
 

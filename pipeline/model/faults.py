@@ -75,7 +75,8 @@ def group_scale_doubled(module) -> str:
 
 def heads_swapped(module) -> str:
     a = archs.of_model(module.model)
-    layer, decoder = a.attention_layers(module.model)[-2 if len(a.attention_layers(module.model)) > 1 else -1]
+    attending = a.attention_layers(module.model)  # the second-to-last attention layer (the last if it is alone)
+    layer, decoder = attending[-2] if len(attending) > 1 else attending[-1]
     attn = a.attention_module(decoder)
     q = getattr(attn, a.attention.qkv or a.attention.q)  # a fused qkv holds q's rows first
     d = attn.head_dim

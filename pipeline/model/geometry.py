@@ -6,6 +6,7 @@ stream, so a GGUF split over several package chunks needs only its first chunk).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,9 +133,9 @@ class Geometry:
         d, h = a.gated_delta, self.hidden_size
         p = f"{a.layers}.{i}.{d.path}."
         v = self.delta_value_heads * self.delta_value_dim
+        gates = self.delta_value_heads
         return {p + d.qkv: (self.delta_conv_channels, h, "delta_qkv"), p + d.z: (v, h, "delta_z"),
-                p + d.b: (self.delta_value_heads, h, "delta_gates"), p + d.a: (self.delta_value_heads, h, "delta_gates"),
-                p + d.out: (h, v, "delta_out")}
+                p + d.b: (gates, h, "delta_gates"), p + d.a: (gates, h, "delta_gates"), p + d.out: (h, v, "delta_out")}
 
     def _conv_linears(self, a: archs.Arch, i: int) -> dict:
         c, h = a.short_conv, self.hidden_size
@@ -175,14 +176,8 @@ class Geometry:
 
     def state_bytes(self, dtype_bytes: int) -> int:
         """The recurrent layers' state: the conv's in the activations' dtype, a Gated DeltaNet's matrix in fp32."""
-        total = 0
-        for i in range(self.num_layers):
-            for name, shape in self.state_shapes(i).items():
-                n = 1
-                for d in shape:
-                    n *= d
-                total += n * (4 if name == "delta" else dtype_bytes)
-        return total
+        return sum(math.prod(shape) * (4 if name == "delta" else dtype_bytes)
+                   for i in range(self.num_layers) for name, shape in self.state_shapes(i).items())
 
     def router_parameters(self) -> int:
         """The MoE routers' weights (kept in float, not linears of the model)."""
@@ -257,9 +252,9 @@ def from_config(config) -> Geometry:
                      expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)))
     if a.gated_delta is not None:
         d = a.gated_delta
-        extra.update(delta_key_heads=getattr(config, d.key_heads_key), delta_value_heads=getattr(config, d.value_heads_key),
-                     delta_key_dim=getattr(config, d.key_dim_key), delta_value_dim=getattr(config, d.value_dim_key),
-                     delta_conv_kernel=getattr(config, d.kernel_key))
+        extra.update(delta_key_heads=getattr(config, d.key_heads_key),
+                     delta_value_heads=getattr(config, d.value_heads_key), delta_key_dim=getattr(config, d.key_dim_key),
+                     delta_value_dim=getattr(config, d.value_dim_key), delta_conv_kernel=getattr(config, d.kernel_key))
     if a.short_conv is not None:
         extra.update(conv_kernel=getattr(config, a.short_conv.kernel_key))
     window = getattr(config, "sliding_window", None)

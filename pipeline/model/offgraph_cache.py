@@ -240,7 +240,8 @@ class OffgraphCache:
         state_txt = "".join(f"{kinds[k]} {k} + " for k in sorted(kinds))
         return (f"[cache] off-graph seq | capacity={self.capacity} initial={self.initial_capacity} "
                 f"kv_dtype={dt}\n{len(self.layers) + len(self.states)} layers: {state_txt}{flat} flat"
-                + (f" + {ring_txt}" if rings else "") + (f", {self.shared_layers} shared" if self.shared_layers else ""))
+                + (f" + {ring_txt}" if rings else "")
+                + (f", {self.shared_layers} shared" if self.shared_layers else ""))
 
     def nbytes(self) -> int:
         """Bytes of K/V and state storage allocated now."""

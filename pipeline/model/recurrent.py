@@ -1,5 +1,6 @@
 """Recurrent layers (pipeline/model/archs: RECURRENT_KINDS) in a form that exports: each layer's token mixer replaced
-by one that keeps its state in buffers and advances it with our ops, a step of any length at a time.
+by one that advances its state with our ops, a step of any length at a time. The state is in buffers of the program
+(custom and static modes) or in the runtime's off-graph cache (llmpipe::state_conv / state_delta with a state id).
 
     llmpipe::causal_conv(x, weight, bias?, state!, position, activation) -> out
 

@@ -185,7 +185,8 @@ def test_causal_conv_kernel_equals_its_twin_across_steps(tmp_path):
     n = torch.export.Dim("n", min=1, max=64)
     with torch.no_grad():
         ep = torch.export.export(_Conv(w, b), (x[:, :3], torch.arange(3)), dynamic_shapes=({1: n}, {0: n}))
-    (tmp_path / "conv.pte").write_bytes(to_edge(ep).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True)).buffer)
+    program = to_edge(ep).to_executorch(ExecutorchBackendConfig(run_reinplace_pass=True))
+    (tmp_path / "conv.pte").write_bytes(program.buffer)
     load_native_kernels()
     method = Runtime.get().load_program(str(tmp_path / "conv.pte")).load_method("forward")
     state = torch.zeros(K - 1, C)

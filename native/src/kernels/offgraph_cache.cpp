@@ -184,7 +184,8 @@ void OffgraphKvCache::set_states(std::vector<StateSpec> specs) {
   for (size_t i = 0; i < specs.size(); ++i) {
     const StateSpec& s = specs[i];
     const bool delta = s.heads != 0 || s.key_dim != 0 || s.value_dim != 0;
-    if (s.conv_rows < 1 || s.conv_channels < 1 || s.heads < 0 || (delta && (s.heads < 1 || s.key_dim < 1 || s.value_dim < 1)))
+    const bool bad_delta = delta && (s.heads < 1 || s.key_dim < 1 || s.value_dim < 1);
+    if (s.conv_rows < 1 || s.conv_channels < 1 || s.heads < 0 || bad_delta)
       throw std::invalid_argument("state " + std::to_string(i) + ": bad shape (heads " + std::to_string(s.heads) +
                                   ", key dim " + std::to_string(s.key_dim) + ", value dim " +
                                   std::to_string(s.value_dim) + ", conv " + std::to_string(s.conv_rows) + "x" +

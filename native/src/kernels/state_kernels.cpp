@@ -57,7 +57,8 @@ Tensor& state_delta_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   constexpr const char* op = "llmpipe::state_delta";
   std::string why;
   DeltaStep s;
-  if (!delta_step(q, k, v, a, b, A_log, dt_bias, position, scale, out, &s, &why)) return fail(ctx, op, state_id, why, out);
+  if (!delta_step(q, k, v, a, b, A_log, dt_bias, position, scale, out, &s, &why))
+    return fail(ctx, op, state_id, why, out);
   OffgraphKvCache* cache = bound_state(state_id, &why);
   if (cache == nullptr) return fail(ctx, op, state_id, why, out);
   const offgraph::StateSpec& sp = cache->state_spec(static_cast<int>(state_id));

@@ -126,7 +126,8 @@ class InGraphCache final : public KvCacheOwner {
       std::string name = k == 0 ? "flat" : k == 1 ? "ring" : "conv";
       if (k >= 2 && state + 5 <= layers_.state_shapes.size()) {
         const int64_t* d = layers_.state_shapes.data() + state;
-        name = k == 2 ? "deltanet(" + std::to_string(d[0]) + "x" + std::to_string(d[1]) + "x" + std::to_string(d[2]) + ")"
+        name = k == 2 ? "deltanet(" + std::to_string(d[0]) + "x" + std::to_string(d[1]) + "x" +
+                            std::to_string(d[2]) + ")"
                       : "conv(" + std::to_string(d[3]) + "x" + std::to_string(d[4]) + ")";
         state += 5;
       }
