@@ -57,8 +57,10 @@ void run_head(const DeltaStep& p, float* state, int64_t h) {
   const int64_t Dk = p.Dk, Dv = p.Dv, kh = h / (p.Hv / p.Hk);
   float* S = state + h * Dk * Dv;
   const double decay_rate = std::exp(static_cast<double>(p.A_log[h]));
-  std::vector<float> Q(kChunk * Dk), K(kChunk * Dk), W(kChunk * Dk), U(kChunk * Dv), O(kChunk * Dv);
-  std::vector<float> gamma(kChunk), beta(kChunk), carry(kChunk);
+  // scratch for the step's largest chunk: a decode step's is one row, not kChunk
+  const int64_t rows = std::min(kChunk, p.T);
+  std::vector<float> Q(rows * Dk), K(rows * Dk), W(rows * Dk), U(rows * Dv), O(rows * Dv);
+  std::vector<float> gamma(rows), beta(rows), carry(rows);
   for (int64_t c0 = 0; c0 < p.T; c0 += kChunk) {
     const int64_t n = std::min(kChunk, p.T - c0);
     double cum = 0.0;
