@@ -179,6 +179,22 @@ void OffgraphKvCache::reset() {
   }
 }
 
+std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values) {
+  if (n_values % 5 != 0)
+    throw std::invalid_argument("get_state_shapes holds " + std::to_string(n_values) +
+                                " values: five per recurrent layer expected");
+  std::vector<StateSpec> specs;
+  for (size_t i = 0; i < n_values; i += 5)
+    specs.push_back({dims[i], dims[i + 1], dims[i + 2], dims[i + 3], dims[i + 4]});
+  return specs;
+}
+
+std::string state_name(const StateSpec& s) {
+  if (s.heads == 0) return "conv(" + std::to_string(s.conv_rows) + "x" + std::to_string(s.conv_channels) + ")";
+  return "deltanet(" + std::to_string(s.heads) + "x" + std::to_string(s.key_dim) + "x" + std::to_string(s.value_dim) +
+         ")";
+}
+
 void OffgraphKvCache::set_states(std::vector<StateSpec> specs) {
   std::vector<State> states(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -212,12 +228,7 @@ std::string OffgraphKvCache::describe() const {
     else ++rings[L.spec.window];
   }
   std::map<std::string, int> states;  // e.g. deltanet(16x128x128), conv(3x1024)
-  for (const State& st : states_) {
-    const StateSpec& p = st.spec;
-    ++states[p.heads ? "deltanet(" + std::to_string(p.heads) + "x" + std::to_string(p.key_dim) + "x" +
-                           std::to_string(p.value_dim) + ")"
-                     : "conv(" + std::to_string(p.conv_rows) + "x" + std::to_string(p.conv_channels) + ")"];
-  }
+  for (const State& st : states_) ++states[state_name(st.spec)];
   std::string s = "[cache] off-graph seq | capacity=" + std::to_string(capacity_) +
                   " initial=" + std::to_string(initial_) + " kv_dtype=" + dtype_name(dtype_) + "\n" +
                   std::to_string(n_layers() + n_states()) + " layers: ";

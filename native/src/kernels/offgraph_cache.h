@@ -67,6 +67,12 @@ struct StateSpec {
   int64_t conv_rows = 0, conv_channels = 0;
 };
 
+// The states a program lists in get_state_shapes, five values each (heads, key dim, value dim, conv rows, conv
+// channels); throws std::invalid_argument when the count is not a multiple of five.
+std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values);
+// The report's name of a state: "deltanet(HxDkxDv)", or "conv(RxC)" for a short conv's.
+std::string state_name(const StateSpec& s);
+
 class OffgraphKvCache {
  public:
   // Throws std::invalid_argument on a bad geometry or non-positive sizes.

@@ -70,10 +70,7 @@ int64_t llmpipe_cache_allocated(void* h, int layer) {
 // The recurrent layers' state (the program's get_state_shapes: five dims per state). 0, or -1 (last_error says why).
 int llmpipe_cache_set_states(void* h, int n, const int64_t* dims) {
   try {
-    std::vector<llmrt::offgraph::StateSpec> specs(n);
-    for (int i = 0; i < n; ++i)
-      specs[i] = {dims[5 * i], dims[5 * i + 1], dims[5 * i + 2], dims[5 * i + 3], dims[5 * i + 4]};
-    static_cast<OffgraphKvCache*>(h)->set_states(std::move(specs));
+    static_cast<OffgraphKvCache*>(h)->set_states(llmrt::offgraph::state_specs(dims, 5 * static_cast<size_t>(n)));
     return 0;
   } catch (const std::exception& e) {
     llmrt::offgraph::set_last_error(e.what());

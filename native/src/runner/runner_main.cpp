@@ -135,7 +135,8 @@ int run(const Options& given) {
     InGraphCache::Layers layers;
     if (prog.has_method("get_layer_kinds")) {  // recurrent layers: their state is the program's
       layers.kinds = prog.read_int_list("get_layer_kinds");
-      layers.state_shapes = prog.read_int_list("get_state_shapes");
+      const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
+      layers.states = offgraph::state_specs(dims.data(), dims.size());
     }
     cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings), std::move(layers));
   }

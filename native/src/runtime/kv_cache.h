@@ -52,10 +52,10 @@ class InGraphCache final : public KvCacheOwner {
   struct Ring {
     int64_t window = 0, slots = 0;
   };
-  // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv; per recurrent layer five dims (a
-  // DeltaNet's heads x key dim x value dim, or 0 0 0; its conv state's rows x channels).
+  // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv; per recurrent layer its state.
   struct Layers {
-    std::vector<int64_t> kinds, state_shapes;
+    std::vector<int64_t> kinds;
+    std::vector<offgraph::StateSpec> states;
     bool recurrent() const {
       return std::any_of(kinds.begin(), kinds.end(), [](int64_t k) { return k >= 2; });
     }
@@ -124,13 +124,7 @@ class InGraphCache final : public KvCacheOwner {
     size_t state = 0;
     for (int64_t k : layers_.kinds) {
       std::string name = k == 0 ? "flat" : k == 1 ? "ring" : "conv";
-      if (k >= 2 && state + 5 <= layers_.state_shapes.size()) {
-        const int64_t* d = layers_.state_shapes.data() + state;
-        name = k == 2 ? "deltanet(" + std::to_string(d[0]) + "x" + std::to_string(d[1]) + "x" +
-                            std::to_string(d[2]) + ")"
-                      : "conv(" + std::to_string(d[3]) + "x" + std::to_string(d[4]) + ")";
-        state += 5;
-      }
+      if (k >= 2 && state < layers_.states.size()) name = offgraph::state_name(layers_.states[state++]);
       auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == name; });
       if (it == counts.end()) counts.push_back({name, 1});
       else ++it->second;
@@ -174,12 +168,9 @@ class OffgraphCacheOwner final : public KvCacheOwner {
   std::string describe() const override { return cache_.describe(); }
   int64_t bytes() const override { return cache_.bytes(); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
-  // The program's recurrent layers (get_state_shapes: five dims each): their state, held here.
+  // The program's recurrent layers (get_state_shapes): their state, held here.
   void set_states(const std::vector<int64_t>& dims) {
-    std::vector<offgraph::StateSpec> specs;
-    for (size_t i = 0; i + 5 <= dims.size(); i += 5)
-      specs.push_back({dims[i], dims[i + 1], dims[i + 2], dims[i + 3], dims[i + 4]});
-    cache_.set_states(std::move(specs));
+    cache_.set_states(offgraph::state_specs(dims.data(), dims.size()));
   }
 
  private:
