@@ -1,13 +1,23 @@
-"""The C++ runners on programs with recurrent layers (tiny random LFM2, built by the pipeline), in-graph (custom) and
-off-graph: the [cache] line names each layer's kind, a rewind is refused but to 0 (the state holds its current
-position only), and the batched runner refuses an off-graph one (it keeps no state per session yet)."""
+"""The C++ runners on programs with recurrent layers (tiny random hybrids, built by the pipeline):
+- llm_runner, in-graph (custom) and off-graph: the [cache] line names each layer's kind, a rewind is refused but to 0
+  (the state holds its current position only);
+- llm_batched_runner (both cache kinds) on off-graph LFM2 and Qwen3.5 with a prefill chunk of 8, so prompts take
+  several chunks and sessions share forwards: its tokens equal llm_runner's and python -m pipeline.generate's; the
+  prefix cache's snapshot resumes at the position its state holds (the prompt less its last token), and an entry
+  whose state is elsewhere is refused with the reason, the prompt prefilled in full."""
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.runtimes import CachePolicy
 from tests.e2e.test_families import build_family
+from tests.helpers import compose_cfg
+from tests.model.test_archs import tiny_overrides
+from tests.native.test_batched_runner import KINDS, batched, tokens
 from tests.native.test_custom_native import turns
 
 
@@ -40,10 +50,73 @@ def test_undo_is_refused_but_a_reset_starts_over(native_bins, tiny_hybrid):
     assert again["generated_ids"] == first["generated_ids"]  # after the reset, the first turn's state again
 
 
-def test_the_batched_runner_refuses_a_recurrent_program(native_bins, tiny_hybrid):
-    batched = native_bins[0].parent / "llm_batched_runner"
-    proc = subprocess.run([str(batched), "--pte", tiny_hybrid["pte"], "--tokenizer", tiny_hybrid["tokenizer"],
-                           "hello"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    mode = tiny_hybrid["config"]["cache"]["mode"]
-    assert ("has recurrent layers" if mode == "offgraph" else "keeps its KV cache in the graph") in proc.stderr
+# -- the batched runner ---------------------------------------------------------------------------------------
+A = [(i * 37) % 250 + 3 for i in range(30)]  # 4 chunks of 8
+PROMPTS = [A, [(i * 11) % 200 + 7 for i in range(13)], A[:20] + [99], [5, 4, 3, 2, 1]]
+NEW = 12
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+def chunked_hybrid(request) -> dict:
+    from pipeline.session import build
+    cfg = compose_cfg(*tiny_overrides(request.param), "backend=xnnpack", "cache=offgraph", "quantize=none",
+                      "export.max_context_len=96", "export.prefill_chunk=8", "verify.max_new_tokens=12",
+                      "run.progress=false")
+    m = build(cfg, recipe=f"{request.param} off-graph, chunk 8")
+    assert m["status"] == "ok", m.get("error")
+    return m
+
+
+@pytest.fixture(scope="module")
+def single(native_bins, chunked_hybrid):
+    """Greedy tokens of one llm_runner session per prompt."""
+    from pipeline import native
+
+    def run(ids):
+        return native.run(chunked_hybrid["pte"], chunked_hybrid["tokenizer"], prompt_ids=ids, max_new_tokens=NEW,
+                          extra_args=["--kv-max-capacity", "96", "--ignore-eos"])["generated_ids"]
+    return run
+
+
+def generate(m: dict, ids: list[int]) -> list[int]:
+    session = Session(open_for_generation(Path(m["pte"]), CachePolicy()))
+    session.eos = set()  # as --ignore-eos
+    return session.generate(ids, NEW, Sampler())["generated_ids"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_sessions_equal_the_runner_and_generate(kind, batched_bins, chunked_hybrid, single):
+    proc, gens, engine = batched(batched_bins, chunked_hybrid["pte"], PROMPTS, "--cache-kind", kind,
+                                 "--max-new-tokens", NEW, "--ignore-eos")
+    assert tokens(gens) == [single(p) for p in PROMPTS] == [generate(chunked_hybrid, p) for p in PROMPTS]
+    assert engine["peak_sessions"] == 4 and engine["failed"] == 0
+    assert engine["prefill_tokens"] == sum(map(len, PROMPTS))
+    qwen = chunked_hybrid["config"]["model"]["random"]["arch"] == "qwen3_5_text"
+    assert ("4 layers: 3 deltanet(4x16x16) + 1 flat" if qwen else "4 layers: 2 conv(2x64) + 2 flat") in proc.stderr
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_cache_seed_check(kind, batched_bins, chunked_hybrid, single):
+    """Four rounds of one prompt: four identical outputs, then cached tokens 0, then prompt - 1."""
+    _, gens, engine = batched(batched_bins, chunked_hybrid["pte"], [A], "--cache-kind", kind, "--max-new-tokens",
+                              NEW, "--ignore-eos", "--prefix-cache-entries", 2, "--prompt-rounds", 4)
+    assert tokens(gens) == [single(A)] * 4
+    assert [g["cached_tokens"] for g in gens] == [0, len(A) - 1, len(A) - 1, len(A) - 1]
+    assert engine["parity"] == [{"prompt": 0, "identical": True, "differences": []}]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_snapshot_resumes_only_where_its_state_is(kind, batched_bins, chunked_hybrid):
+    """A, then A extended (resumes A's snapshot at 29 and replays from there), then A's first 20 (no snapshot holds
+    position 19: refused with the reason, prefilled in full), then A again (the extension's entry, at 32, is refused;
+    A's own resumes). One session at a time, so each prompt sees the snapshots before it."""
+    prompts = [A, A + [5, 6, 7], A[:20], A]
+    args = ["--cache-kind", kind, "--max-decode-sequences", 1, "--max-new-tokens", NEW, "--ignore-eos"]
+    _, cold, _ = batched(batched_bins, chunked_hybrid["pte"], prompts, *args)
+    proc, warm, engine = batched(batched_bins, chunked_hybrid["pte"], prompts, *args, "--prefix-cache-entries", 3)
+    assert tokens(warm) == tokens(cold)
+    assert [g["cached_tokens"] for g in warm] == [0, 29, 0, 29]
+    assert all("the recurrent state holds position" in r for g in warm for r in g["prefix_refusals"])
+    assert [len(g["prefix_refusals"]) for g in warm] == [0, 0, 2, 1]
+    p = engine["prefix_cache"]
+    assert (p["lookups"], p["hits"], p["misses"]) == (4, 2, 2)

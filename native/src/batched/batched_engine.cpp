@@ -14,15 +14,19 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-// A prefix-cache entry: a session cache frozen right after its prompt's prefill.
+// A prefix-cache entry: a session cache frozen right after its prompt's prefill (with recurrent states: before its
+// last token).
 class CacheSnapshot final : public PrefixSnapshot {
  public:
-  explicit CacheSnapshot(std::unique_ptr<SessionCache> cache) : cache_(std::move(cache)) {}
+  explicit CacheSnapshot(std::unique_ptr<SessionCache> cache)
+      : cache_(std::move(cache)), point_(cache_->recurrent() ? cache_->length() : -1) {}
   bool can_restore(int64_t n, std::string* why) const override { return cache_->can_rewind(n, why); }
+  int64_t resume_point() const override { return point_; }
   const SessionCache& cache() const { return *cache_; }
 
  private:
   std::unique_ptr<SessionCache> cache_;
+  int64_t point_;
 };
 
 // Unbinds the batched step however the forward ends.
@@ -81,7 +85,8 @@ Engine::Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int6
                                 "], got " + std::to_string(chunk_));
   if (o_.max_decode_sequences < 1) throw std::invalid_argument("--max-decode-sequences must be >= 1");
   if (o_.cache_kind == CacheKind::cell)
-    pool_ = std::make_unique<CellPool>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+    pool_ = std::make_unique<CellPool>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype,
+                                       o_.states);
   else
     new_cache();  // checks the geometry now, not at the first admission
   prog_.set_position_limit(o_.max_session_tokens);
@@ -94,20 +99,20 @@ Engine::~Engine() {
 
 std::unique_ptr<SessionCache> Engine::new_cache() {
   if (pool_) return std::make_unique<CellCache>(*pool_);
-  return std::make_unique<SequenceCache>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+  return std::make_unique<SequenceCache>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype,
+                                         o_.states);
 }
 
 std::string Engine::describe() const {
   // the layer line ends as the single runner's does: ", S shared" when KV-shared layers read their source's cache
   const std::string shared = o_.shared_layers > 0 ? ", " + std::to_string(o_.shared_layers) + " shared" : "";
   if (pool_) return pool_->describe() + shared + "\n[cache] batched-cell: one pool of cells shared by every session";
-  SequenceCache probe(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype);
+  SequenceCache probe(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype, o_.states);
   return probe.cache().describe() + shared + "\n[cache] batched-sequence: one off-graph cache per session";
 }
 
 int64_t Engine::kv_bytes() const {
-  if (pool_) return pool_->bytes();
-  int64_t b = 0;
+  int64_t b = pool_ ? pool_->bytes() : 0;  // a pooled session's own bytes are its recurrent states
   for (const auto& s : active_) b += s->cache->bytes();
   for (const auto& w : snapshots_)
     if (auto snap = w.lock()) b += static_cast<const CacheSnapshot&>(*snap).cache().bytes();
@@ -141,6 +146,12 @@ std::unique_ptr<Engine::Session> Engine::admit(const Request& r) {
   return s;
 }
 
+int64_t Engine::prefill_room(const Session& s) const {
+  const int64_t n = static_cast<int64_t>(s.gen.req.ids.size());
+  if (o_.states.empty() || !prefix_.enabled() || n < 2 || s.fed >= n - 1) return s.remaining();
+  return n - 1 - s.fed;
+}
+
 std::vector<Engine::Piece> Engine::plan_step() {
   std::vector<Piece> step;
   std::vector<Session*> dec, pre;
@@ -154,7 +165,7 @@ std::vector<Engine::Piece> Engine::plan_step() {
     rows -= nd;
     for (Session* s : pre) {
       if (rows == 0) break;
-      const int64_t m = std::min(rows, s->remaining());
+      const int64_t m = std::min(rows, prefill_room(*s));
       step.push_back({s, m, m == s->remaining()});
       rows -= m;
     }
@@ -162,12 +173,13 @@ std::vector<Engine::Piece> Engine::plan_step() {
   }
   Session* last = dec.empty() ? nullptr : dec.front();
   for (Session* s : pre)
-    if (s->remaining() <= chunk_ && (last == nullptr || s->served < last->served)) last = s;
+    if (s->remaining() <= chunk_ && prefill_room(*s) == s->remaining() && (last == nullptr || s->served < last->served))
+      last = s;
   if (last) rows -= last->decoding ? 1 : last->remaining();
   for (Session* s : pre) {
     if (rows == 0) break;
     if (s == last) continue;
-    const int64_t m = std::min(rows, s->remaining() - 1);  // this piece must not end its prompt
+    const int64_t m = std::min({rows, s->remaining() - 1, prefill_room(*s)});  // this piece must not end its prompt
     if (m > 0) {
       step.push_back({s, m, false});
       rows -= m;
@@ -228,14 +240,13 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
     }
     s.fed += p.n;
     st->prefill_tokens += p.n;
-    if (s.remaining() > 0) continue;
-    if (prefix_.enabled()) {  // right after the prefill, before decode writes into any ring
-      const auto tc = Clock::now();
-      auto snap = std::make_shared<const CacheSnapshot>(s.cache->clone());
-      snapshots_.push_back(snap);
-      prefix_.insert(s.gen.req.ids, std::move(snap));
-      capture_ms += ms_between(tc, Clock::now());
+    const int64_t n_prompt = static_cast<int64_t>(s.gen.req.ids.size());
+    if (s.remaining() > 0) {
+      if (!o_.states.empty() && prefix_.enabled() && s.fed == n_prompt - 1) capture(s, s.gen.req.ids, &capture_ms);
+      continue;
     }
+    // right after the prefill, before decode writes into any ring
+    if (o_.states.empty() && prefix_.enabled()) capture(s, s.gen.req.ids, &capture_ms);
     s.decoding = true;
     if (o_.max_new_tokens == 0) {
       s.gen.ttft_ms = ms_between(s.admitted, Clock::now());
@@ -252,6 +263,14 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
   st->decode_tokens += decode_rows;
   st->decode_ms += ms * static_cast<double>(decode_rows) / static_cast<double>(n);
   st->capture_ms += capture_ms;
+}
+
+void Engine::capture(Session& s, std::vector<int64_t> key, double* ms) {
+  const auto t0 = Clock::now();
+  auto snap = std::make_shared<const CacheSnapshot>(s.cache->clone());
+  snapshots_.push_back(snap);
+  prefix_.insert(std::move(key), std::move(snap));
+  *ms += ms_between(t0, Clock::now());
 }
 
 bool Engine::accept(Session& s, int64_t token) {

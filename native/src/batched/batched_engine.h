@@ -16,7 +16,10 @@
 //     recently served of the decoding sessions and the prompts that can end in this step (decoders
 //     win ties); prompt pieces that do not end their prompt ride along before it. Decode tokens are
 //     then one per forward, but prefill shares the decode forwards.
-// A prompt's snapshot is captured right after the step that ends its prefill, before any decode.
+// A prompt's snapshot is captured right after the step that ends its prefill, before any decode. With recurrent
+// layers (a hybrid program), whose state holds one position only, it is captured one token earlier: the prompt's
+// last token gets a step of its own, so that the same prompt again, or one that extends it, resumes from the
+// snapshot and replays that token.
 #pragma once
 
 #include <cstdint>
@@ -48,6 +51,7 @@ struct EngineOptions {
   uint64_t seed = 42;  // session of prompt p samples with seed + p
   size_t prefix_cache_entries = 0;
   int64_t shared_layers = 0;  // KV-shared layers (get_n_shared_layers): they read their source's cache
+  std::vector<offgraph::StateSpec> states;  // recurrent layers (get_state_shapes): one state per session
 };
 
 struct Request {
@@ -106,6 +110,9 @@ class Engine {
   std::unique_ptr<SessionCache> new_cache();
   std::unique_ptr<Session> admit(const Request& r);
   std::vector<Piece> plan_step();
+  // Prompt tokens s may still take before its prefix snapshot (recurrent states: all but the last), or all.
+  int64_t prefill_room(const Session& s) const;
+  void capture(Session& s, std::vector<int64_t> key, double* ms);
   void execute(std::vector<Piece>& step, EngineStats* stats);
   // Takes the token sampled for s; false once the session is done.
   bool accept(Session& s, int64_t token);

@@ -265,9 +265,6 @@ int run(const Options& given) {
   if (!info.offgraph)
     throw ProgramError("this program keeps its KV cache in the graph (no constant method 'get_n_caches'): "
                        "llm_batched_runner serves off-graph programs (cache.mode=offgraph); use llm_runner");
-  if (prog.has_method("get_state_shapes"))
-    throw ProgramError("this program has recurrent layers (constant method 'get_state_shapes'): llm_batched_runner "
-                       "does not hold their state per session yet; use llm_runner");
   const int64_t max_session = o.max_session_tokens == 0 ? info.max_context_len : o.max_session_tokens;
   if (max_session > info.max_context_len)
     throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +
@@ -311,6 +308,10 @@ int run(const Options& given) {
   eo.seed = o.seed;
   eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
   eo.shared_layers = g.n_shared;
+  if (prog.has_method("get_state_shapes")) {  // recurrent layers: a state per session
+    const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
+    eo.states = offgraph::state_specs(dims.data(), dims.size());
+  }
   std::unordered_set<int64_t> stops;
   if (!o.ignore_eos) {
     stops.insert(info.eos_ids.begin(), info.eos_ids.end());

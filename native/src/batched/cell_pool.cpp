@@ -9,9 +9,10 @@ namespace llmrt {
 using offgraph::LayerSpec;
 
 CellPool::CellPool(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_write, int64_t initial_cells,
-                   int dtype_code)
-    : capacity_(capacity), max_write_(max_write), initial_(initial_cells), dtype_(dtype_code),
-      esize_(kv::element_size(dtype_code)) {
+                   int dtype_code, std::vector<offgraph::StateSpec> states)
+    : states_(std::move(states)), capacity_(capacity), max_write_(max_write), initial_(initial_cells),
+      dtype_(dtype_code), esize_(kv::element_size(dtype_code)) {
+  offgraph::RecurrentStates check(states_);  // a bad shape throws here, not at the first session
   if (capacity < 1) throw std::invalid_argument("session capacity must be >= 1, got " + std::to_string(capacity));
   if (max_write < 1) throw std::invalid_argument("max_write must be >= 1, got " + std::to_string(max_write));
   if (initial_cells < 1)
@@ -98,19 +99,22 @@ std::string CellPool::describe() const {
   }
   std::string s = "[cache] off-graph cells | capacity=" + std::to_string(capacity_) + " per session initial=" +
                   std::to_string(initial_) + " kv_dtype=" + kv::dtype_name(dtype_) + "\n" +
-                  std::to_string(n_layers()) + " layers: " + std::to_string(flat) + " flat";
+                  std::to_string(n_layers() + static_cast<int64_t>(states_.size())) + " layers: " +
+                  offgraph::state_counts(states_) + std::to_string(flat) + " flat";
   for (auto& [w, n] : rings) s += " + " + std::to_string(n) + " ring(window " + std::to_string(w) + ")";
   return s;
 }
 
 // -- CellCache -------------------------------------------------------------------------------
 
-CellCache::CellCache(CellPool& pool) : pool_(pool), tables_(static_cast<size_t>(pool.n_groups())) {
+CellCache::CellCache(CellPool& pool)
+    : pool_(pool), tables_(static_cast<size_t>(pool.n_groups())), states_(pool.state_specs()) {
   for (int g = 0; g < pool_.n_groups(); ++g)
     if (pool_.ring(g) > 0) tables_[g].assign(static_cast<size_t>(pool_.ring(g)), -1);
 }
 
-CellCache::CellCache(const CellCache& other) : pool_(other.pool_), tables_(other.tables_), length_(other.length_) {
+CellCache::CellCache(const CellCache& other)
+    : pool_(other.pool_), tables_(other.tables_), states_(other.states_), length_(other.length_) {
   for (int g = 0; g < pool_.n_groups(); ++g)
     for (int32_t c : tables_[g])
       if (c >= 0) pool_.retain(g, c);
@@ -146,6 +150,8 @@ bool CellCache::reserve(int64_t pos, int64_t T, std::string* why) {
   if (pos < 0 || pos > length_)
     return fail("write at position " + std::to_string(pos) + " leaves a gap (cache length " +
                 std::to_string(length_) + "); rewind first");
+  std::string refused;
+  if (!states_.step_ok(length_, pos, &refused)) return fail(refused);
   if (end > pool_.capacity())
     return fail("positions [" + std::to_string(pos) + ", " + std::to_string(end) + ") exceed the KV capacity " +
                 std::to_string(pool_.capacity()));
@@ -192,6 +198,7 @@ bool CellCache::can_rewind(int64_t target, std::string* why) const {
     return false;
   }
   if (target == 0) return true;
+  if (!states_.rewind_ok(length_, target, why)) return false;
   int64_t floor = 0;
   for (int l = 0; l < pool_.n_layers(); ++l) {
     const int64_t ring = pool_.ring(pool_.group_of(l));

@@ -11,6 +11,9 @@
 // takes a fresh one (copy on write: a step overwrites the whole cell, in every layer of its group, so
 // nothing is copied). Rewinding releases the flat cells past the new length; destroying a session
 // releases everything it holds, and a cell whose count drops to 0 is free again.
+//
+// Recurrent layers (a hybrid program's get_state_shapes) have no cells: each session holds its own fixed-size states
+// (offgraph::RecurrentStates) beside its page tables, and a clone copies them.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +29,9 @@ class CellPool {
  public:
   // capacity: positions one session may hold; max_write: the largest step (prefill chunk);
   // initial_cells: first allocation of the flat group (ring groups start with one ring).
+  // states: the recurrent layers' shapes, every session's own.
   CellPool(std::vector<offgraph::LayerSpec> specs, int64_t capacity, int64_t max_write,
-           int64_t initial_cells, int dtype_code);
+           int64_t initial_cells, int dtype_code, std::vector<offgraph::StateSpec> states = {});
 
   int n_layers() const { return static_cast<int>(layers_.size()); }
   const offgraph::LayerSpec& spec(int layer) const { return layers_[layer].spec; }
@@ -37,6 +41,7 @@ class CellPool {
   int64_t capacity() const { return capacity_; }
   int64_t max_write() const { return max_write_; }
   int dtype() const { return dtype_; }
+  const std::vector<offgraph::StateSpec>& state_specs() const { return states_; }
 
   // A free cell of `group` with one reference (grows the group's storage if none is free).
   int32_t acquire(int group);
@@ -71,6 +76,7 @@ class CellPool {
 
   std::vector<Layer> layers_;
   std::vector<Group> groups_;
+  std::vector<offgraph::StateSpec> states_;
   int64_t capacity_, max_write_, initial_;
   int dtype_, esize_;
 };
@@ -93,7 +99,9 @@ class CellCache final : public SessionCache {
   bool can_rewind(int64_t target, std::string* why) const override;
   bool rewind(int64_t target, std::string* why) override;
   std::unique_ptr<SessionCache> clone() const override { return std::make_unique<CellCache>(*this); }
-  int64_t bytes() const override { return 0; }
+  // Its recurrent states (its cells are the pool's to count).
+  int64_t bytes() const override { return states_.bytes(); }
+  offgraph::RecurrentStates* recurrent() override { return states_.empty() ? nullptr : &states_; }
   // Cells this session references (shared ones included).
   int64_t cells() const;
   // The cell holding `pos` in `group` (-1 if none), for tests.
@@ -102,6 +110,7 @@ class CellCache final : public SessionCache {
  private:
   CellPool& pool_;
   std::vector<std::vector<int32_t>> tables_;  // per group: flat position -> cell, ring slot -> cell
+  offgraph::RecurrentStates states_;
   int64_t length_ = 0;
 };
 

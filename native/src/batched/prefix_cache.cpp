@@ -41,7 +41,9 @@ PrefixHit PrefixCache::lookup(const std::vector<int64_t>& prompt) {
   std::vector<Candidate> cands;
   if (n >= 2)
     for (Entry& e : entries_) {
-      const int64_t reuse = std::min(common_prefix(e.tokens, prompt), n - 1);
+      int64_t reuse = std::min(common_prefix(e.tokens, prompt), n - 1);
+      const int64_t point = e.snapshot->resume_point();
+      if (point >= 1 && point <= reuse) reuse = point;  // beyond it can_restore refuses, and says why
       if (reuse >= 1) cands.push_back({&e, reuse});
     }
   // longest reuse first, then the most recently used

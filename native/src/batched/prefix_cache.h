@@ -8,6 +8,8 @@
 //     prompt token is always replayed, so the session gets fresh logits; an entry with reuse 0 is no
 //     candidate;
 //   - the longest reuse wins, then the most recently used entry;
+//   - a snapshot with a recurrent state (a hybrid model's) resumes at the one position it was taken at
+//     (resume_point): its reuse is that position when the prompt shares it, else it is refused;
 //   - a snapshot that cannot resume after `reuse` tokens (its rings no longer hold the history that
 //     position needs) is refused and the next candidate is tried; no candidate left = a miss;
 //   - a hit and an insert count as a use; inserting the tokens of an existing entry replaces it;
@@ -26,6 +28,8 @@ class PrefixSnapshot {
   virtual ~PrefixSnapshot() = default;
   // Whether a session can resume from this snapshot after its first n tokens (false + why if not).
   virtual bool can_restore(int64_t n, std::string* why) const = 0;
+  // The one position it resumes at, or -1 if any n that can_restore takes.
+  virtual int64_t resume_point() const { return -1; }
 };
 
 struct PrefixHit {

@@ -12,6 +12,8 @@
 //     copies its storage.
 //   - CellCache (--cache-kind batched-cell, cell_pool.h): one pool of cells shared by all
 //     sessions; a session owns cells through its page tables and a clone shares them.
+// A hybrid program's recurrent layers hold one fixed-size state per session in either kind (copied by a clone): a
+// step goes on at the length or starts over at 0, a rewind goes to 0 or nowhere.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +43,10 @@ class SessionCache : public offgraph::StepKv {
 class SequenceCache final : public SessionCache {
  public:
   SequenceCache(std::vector<offgraph::LayerSpec> specs, int64_t capacity, int64_t max_write,
-                int64_t initial_capacity, int dtype_code)
-      : cache_(std::move(specs), capacity, max_write, initial_capacity, dtype_code) {}
+                int64_t initial_capacity, int dtype_code, std::vector<offgraph::StateSpec> states = {})
+      : cache_(std::move(specs), capacity, max_write, initial_capacity, dtype_code) {
+    cache_.set_states(std::move(states));
+  }
 
   int n_layers() const override { return cache_.n_layers(); }
   const offgraph::LayerSpec& spec(int layer) const override { return cache_.spec(layer); }
@@ -56,6 +60,7 @@ class SequenceCache final : public SessionCache {
   bool rewind(int64_t target, std::string* why) override { return cache_.rewind(target, why); }
   std::unique_ptr<SessionCache> clone() const override { return std::make_unique<SequenceCache>(*this); }
   int64_t bytes() const override { return cache_.bytes(); }
+  offgraph::RecurrentStates* recurrent() override { return cache_.states().empty() ? nullptr : &cache_.states(); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
 
  private:

@@ -25,7 +25,7 @@ using executorch::runtime::Error;
 using executorch::runtime::KernelRuntimeContext;
 
 bool conv_step(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, const Tensor& position,
-               int64_t activation, Tensor& out, ConvStep* s, std::string* why) {
+               int64_t activation, Tensor& out, ConvStep* s, std::string* why, bool consecutive_rows) {
   auto no = [&](const char* msg) {
     *why = msg;
     return false;
@@ -35,7 +35,7 @@ bool conv_step(const Tensor& x, const Tensor& weight, const std::optional<Tensor
   if (!is_float(weight, 2) || weight.size(0) != C || weight.size(1) < 1) return no("weight must be Float [C,K]");
   if (bias.has_value() && (!is_float(*bias, 1) || bias->size(0) != C)) return no("bias must be Float [C]");
   if (activation != 0 && activation != 1) return no("activation must be 0 (none) or 1 (silu)");
-  if (!consecutive(position, T, &s->pos, why)) return false;
+  if (!consecutive(position, T, &s->pos, why, consecutive_rows)) return false;
   if (out.scalar_type() != ScalarType::Float || executorch::runtime::resize_tensor(out, x.sizes()) != Error::Ok)
     return no("out must be Float, resizable to x's shape");
   s->x = x.const_data_ptr<float>(), s->w = weight.const_data_ptr<float>();
@@ -43,6 +43,13 @@ bool conv_step(const Tensor& x, const Tensor& weight, const std::optional<Tensor
   s->out = out.mutable_data_ptr<float>();
   s->T = T, s->C = C, s->K = weight.size(1), s->silu = activation == 1;
   return true;
+}
+
+ConvStep conv_rows(const ConvStep& s, int64_t row, int64_t T, int64_t pos) {
+  ConvStep r = s;
+  r.x += row * s.C, r.out += row * s.C;
+  r.T = T, r.pos = pos;
+  return r;
 }
 
 void run_conv(const ConvStep& s, float* state) {

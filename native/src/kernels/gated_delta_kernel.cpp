@@ -119,7 +119,7 @@ void run_head(const DeltaStep& p, float* state, int64_t h) {
 
 bool delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& a, const Tensor& b,
                 const Tensor& A_log, const Tensor& dt_bias, const Tensor& position, double scale, Tensor& out,
-                DeltaStep* s, std::string* why) {
+                DeltaStep* s, std::string* why, bool consecutive_rows) {
   auto no = [&](const char* msg) {
     *why = msg;
     return false;
@@ -135,7 +135,7 @@ bool delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
     return no("a, b must be Float [1,T,Hv]");
   if (!is_float(A_log, 1) || !is_float(dt_bias, 1) || A_log.size(0) != Hv || dt_bias.size(0) != Hv)
     return no("A_log, dt_bias must be Float [Hv]");
-  if (!consecutive(position, T, &s->pos, why)) return false;
+  if (!consecutive(position, T, &s->pos, why, consecutive_rows)) return false;
   if (out.scalar_type() != ScalarType::Float || executorch::runtime::resize_tensor(out, v.sizes()) != Error::Ok)
     return no("out must be Float, resizable to v's shape");
   s->q = q.const_data_ptr<float>(), s->k = k.const_data_ptr<float>(), s->v = v.const_data_ptr<float>();
@@ -144,6 +144,14 @@ bool delta_step(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&
   s->out = out.mutable_data_ptr<float>();
   s->T = T, s->Hk = Hk, s->Hv = Hv, s->Dk = Dk, s->Dv = Dv, s->scale = static_cast<float>(scale);
   return true;
+}
+
+DeltaStep delta_rows(const DeltaStep& s, int64_t row, int64_t T, int64_t pos) {
+  DeltaStep r = s;
+  r.q += row * s.Hk * s.Dk, r.k += row * s.Hk * s.Dk, r.v += row * s.Hv * s.Dv;
+  r.a += row * s.Hv, r.b += row * s.Hv, r.out += row * s.Hv * s.Dv;
+  r.T = T, r.pos = pos;
+  return r;
 }
 
 void run_delta(const DeltaStep& s, float* state) {

@@ -95,12 +95,7 @@ bool OffgraphKvCache::plan(int layer, int64_t pos, int64_t T, Plan* out, std::st
 }
 
 bool OffgraphKvCache::check_step(int64_t pos, int64_t T, std::string* why) const {
-  if (!states_.empty() && pos != 0 && pos != length_) {
-    if (why)
-      *why = "a step at position " + std::to_string(pos) + ": the recurrent state holds position " +
-             std::to_string(length_) + " only (go on there, or start over at 0)";
-    return false;
-  }
+  if (!states_.step_ok(length_, pos, why)) return false;
   for (int l = 0; l < n_layers(); ++l)
     if (!plan(l, pos, T, nullptr, why)) return false;
   return true;
@@ -148,12 +143,7 @@ bool OffgraphKvCache::can_rewind(int64_t target, std::string* why) const {
     return false;
   }
   if (target == 0 || target == length_) return true;
-  if (!states_.empty()) {
-    if (why)
-      *why = "cannot rewind to " + std::to_string(target) + ": the recurrent state holds position " +
-             std::to_string(length_) + " only (0 to reset)";
-    return false;
-  }
+  if (!states_.rewind_ok(length_, target, why)) return false;
   int64_t floor = rewind_floor();
   if (target < floor) {
     if (why)
@@ -173,10 +163,7 @@ bool OffgraphKvCache::rewind(int64_t target, std::string* why) {
 
 void OffgraphKvCache::reset() {
   length_ = 0;
-  for (State& s : states_) {
-    std::fill(s.delta.begin(), s.delta.end(), 0.f);
-    std::fill(s.conv.begin(), s.conv.end(), 0.f);
-  }
+  states_.clear();
 }
 
 std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values) {
@@ -195,8 +182,8 @@ std::string state_name(const StateSpec& s) {
          ")";
 }
 
-void OffgraphKvCache::set_states(std::vector<StateSpec> specs) {
-  std::vector<State> states(specs.size());
+RecurrentStates::RecurrentStates(std::vector<StateSpec> specs) {
+  states_.resize(specs.size());
   for (size_t i = 0; i < specs.size(); ++i) {
     const StateSpec& s = specs[i];
     const bool delta = s.heads != 0 || s.key_dim != 0 || s.value_dim != 0;
@@ -206,18 +193,59 @@ void OffgraphKvCache::set_states(std::vector<StateSpec> specs) {
                                   ", key dim " + std::to_string(s.key_dim) + ", value dim " +
                                   std::to_string(s.value_dim) + ", conv " + std::to_string(s.conv_rows) + "x" +
                                   std::to_string(s.conv_channels) + ")");
-    states[i].spec = s;
-    states[i].delta.assign(storage_bytes(s.heads, s.key_dim, s.value_dim, sizeof(float)) / sizeof(float), 0.f);
-    states[i].conv.assign(storage_bytes(s.conv_rows, s.conv_channels, 1, sizeof(float)) / sizeof(float), 0.f);
+    states_[i].spec = s;
+    states_[i].delta.assign(storage_bytes(s.heads, s.key_dim, s.value_dim, sizeof(float)) / sizeof(float), 0.f);
+    states_[i].conv.assign(storage_bytes(s.conv_rows, s.conv_channels, 1, sizeof(float)) / sizeof(float), 0.f);
   }
-  states_ = std::move(states);
+}
+
+void RecurrentStates::clear() {
+  for (State& s : states_) {
+    std::fill(s.delta.begin(), s.delta.end(), 0.f);
+    std::fill(s.conv.begin(), s.conv.end(), 0.f);
+  }
+}
+
+int64_t RecurrentStates::bytes() const {
+  int64_t b = 0;
+  for (const State& s : states_) b += static_cast<int64_t>((s.delta.size() + s.conv.size()) * sizeof(float));
+  return b;
+}
+
+std::vector<StateSpec> RecurrentStates::specs() const {
+  std::vector<StateSpec> out;
+  for (const State& st : states_) out.push_back(st.spec);
+  return out;
+}
+
+std::string state_counts(const std::vector<StateSpec>& specs) {
+  std::map<std::string, int> n;  // e.g. deltanet(16x128x128), conv(3x1024)
+  for (const StateSpec& sp : specs) ++n[state_name(sp)];
+  std::string s;
+  for (auto& [name, count] : n) s += std::to_string(count) + " " + name + " + ";
+  return s;
+}
+
+bool RecurrentStates::step_ok(int64_t length, int64_t pos, std::string* why) const {
+  if (empty() || pos == 0 || pos == length) return true;
+  if (why)
+    *why = "a step at position " + std::to_string(pos) + ": the recurrent state holds position " +
+           std::to_string(length) + " only (go on there, or start over at 0)";
+  return false;
+}
+
+bool RecurrentStates::rewind_ok(int64_t length, int64_t target, std::string* why) const {
+  if (empty() || target == 0 || target == length) return true;
+  if (why)
+    *why = "cannot rewind to " + std::to_string(target) + ": the recurrent state holds position " +
+           std::to_string(length) + " only (0 to reset)";
+  return false;
 }
 
 int64_t OffgraphKvCache::bytes() const {
   int64_t b = 0;
   for (const Layer& L : layers_) b += static_cast<int64_t>(L.k.size() + L.v.size());
-  for (const State& s : states_) b += static_cast<int64_t>((s.delta.size() + s.conv.size()) * sizeof(float));
-  return b;
+  return b + states_.bytes();
 }
 
 std::string OffgraphKvCache::describe() const {
@@ -227,13 +255,10 @@ std::string OffgraphKvCache::describe() const {
     if (L.ring == 0) ++flat;
     else ++rings[L.spec.window];
   }
-  std::map<std::string, int> states;  // e.g. deltanet(16x128x128), conv(3x1024)
-  for (const State& st : states_) ++states[state_name(st.spec)];
   std::string s = "[cache] off-graph seq | capacity=" + std::to_string(capacity_) +
                   " initial=" + std::to_string(initial_) + " kv_dtype=" + dtype_name(dtype_) + "\n" +
-                  std::to_string(n_layers() + n_states()) + " layers: ";
-  for (auto& [name, n] : states) s += std::to_string(n) + " " + name + " + ";
-  s += std::to_string(flat) + " flat";
+                  std::to_string(n_layers() + states_.size()) + " layers: " + state_counts(states_.specs()) +
+                  std::to_string(flat) + " flat";
   for (auto& [w, n] : rings) s += " + " + std::to_string(n) + " ring(window " + std::to_string(w) + ")";
   if (shared_ > 0) s += ", " + std::to_string(shared_) + " shared";
   return s;

@@ -37,6 +37,7 @@
 // beside the attention caches, fp32 whatever the K/V dtype: a Gated DeltaNet's [heads][key dim][value dim] matrix and
 // a conv's last [rows][channels] inputs. llmpipe::state_delta.out / state_conv.out (state_kernels.cpp) advance it.
 // A state holds the current length only: a step goes on at the length or starts over at 0, and a rewind goes to 0.
+// A batched session (StepKv::recurrent) holds its own RecurrentStates; the ops serve each row group from its own.
 #pragma once
 
 #include <atomic>
@@ -72,6 +73,36 @@ struct StateSpec {
 std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values);
 // The report's name of a state: "deltanet(HxDkxDv)", or "conv(RxC)" for a short conv's.
 std::string state_name(const StateSpec& s);
+// The layer line's part for these states, e.g. "3 deltanet(4x16x16) + " ("" for none).
+std::string state_counts(const std::vector<StateSpec>& specs);
+
+// One sequence's recurrent states, fp32, zeroed at first. A copy is a snapshot: a few KB to a few MB, whatever the
+// depth. Both rules below hold for every owner (the single runner's cache, a batched session).
+class RecurrentStates {
+ public:
+  RecurrentStates() = default;
+  explicit RecurrentStates(std::vector<StateSpec> specs);  // throws std::invalid_argument on a bad shape
+
+  bool empty() const { return states_.empty(); }
+  int size() const { return static_cast<int>(states_.size()); }
+  const StateSpec& spec(int i) const { return states_[i].spec; }
+  float* delta(int i) { return states_[i].delta.data(); }
+  float* conv(int i) { return states_[i].conv.data(); }
+  void clear();
+  int64_t bytes() const;
+  std::vector<StateSpec> specs() const;
+  // A state holds the position it reached (length) only: a step goes on there or starts over at 0, a rewind goes
+  // to 0 or nowhere. False + why otherwise (true without states).
+  bool step_ok(int64_t length, int64_t pos, std::string* why) const;
+  bool rewind_ok(int64_t length, int64_t target, std::string* why) const;
+
+ private:
+  struct State {
+    StateSpec spec;
+    std::vector<float> delta, conv;
+  };
+  std::vector<State> states_;
+};
 
 class OffgraphKvCache {
  public:
@@ -109,11 +140,9 @@ class OffgraphKvCache {
   void reset();
 
   // The recurrent layers' state, allocated (zeroed) here; throws std::invalid_argument on a bad shape.
-  void set_states(std::vector<StateSpec> specs);
-  int n_states() const { return static_cast<int>(states_.size()); }
-  const StateSpec& state_spec(int i) const { return states_[i].spec; }
-  float* delta_state(int i) { return states_[i].delta.data(); }
-  float* conv_state(int i) { return states_[i].conv.data(); }
+  void set_states(std::vector<StateSpec> specs) { states_ = RecurrentStates(std::move(specs)); }
+  RecurrentStates& states() { return states_; }
+  const RecurrentStates& states() const { return states_; }
 
   int64_t bytes() const;
   // Attention layers that read another layer's cache (KV-shared layers, the program's
@@ -130,12 +159,8 @@ class OffgraphKvCache {
     int64_t allocated = 0;  // slots allocated
     std::vector<uint8_t> k, v;
   };
-  struct State {
-    StateSpec spec;
-    std::vector<float> delta, conv;
-  };
   std::vector<Layer> layers_;
-  std::vector<State> states_;
+  RecurrentStates states_;
   int64_t capacity_, max_write_, initial_;
   int dtype_, esize_;
   int64_t length_ = 0;
@@ -158,6 +183,8 @@ class StepKv {
   // The slots of a step at [pos, pos + T) in `layer`. The owner reserved the storage before the
   // execute, so this never allocates (other sessions' views stay valid). False + why if it cannot.
   virtual bool step_slots(int layer, int64_t pos, int64_t T, StepSlots* out, std::string* why) = 0;
+  // The session's recurrent states (null: none), for llmpipe::state_delta / state_conv.
+  virtual RecurrentStates* recurrent() { return nullptr; }
 };
 
 struct RowGroup {

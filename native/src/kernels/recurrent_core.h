@@ -15,14 +15,16 @@ inline bool is_float(const executorch::aten::Tensor& t, int64_t dim) {
   return t.scalar_type() == executorch::aten::ScalarType::Float && t.dim() == dim;
 }
 
-// position Long [T], consecutive from >= 0: its first entry in *pos
-inline bool consecutive(const executorch::aten::Tensor& position, int64_t T, int64_t* pos, std::string* why) {
+// position Long [T], consecutive from >= 0 (all_rows: every row; else the caller checks each session's rows of a
+// batched step): its first entry in *pos
+inline bool consecutive(const executorch::aten::Tensor& position, int64_t T, int64_t* pos, std::string* why,
+                        bool all_rows = true) {
   if (position.dim() != 1 || position.size(0) != T || position.scalar_type() != executorch::aten::ScalarType::Long) {
     *why = "position must be Long [T]";
     return false;
   }
   const int64_t* p = position.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < (all_rows ? T : 0); ++t)
     if (p[t] != p[0] + t || p[0] < 0) {
       *why = "positions must be consecutive from >= 0";
       return false;
@@ -46,7 +48,9 @@ bool delta_step(const executorch::aten::Tensor& q, const executorch::aten::Tenso
                 const executorch::aten::Tensor& v, const executorch::aten::Tensor& a,
                 const executorch::aten::Tensor& b, const executorch::aten::Tensor& A_log,
                 const executorch::aten::Tensor& dt_bias, const executorch::aten::Tensor& position, double scale,
-                executorch::aten::Tensor& out, DeltaStep* step, std::string* why);
+                executorch::aten::Tensor& out, DeltaStep* step, std::string* why, bool consecutive_rows = true);
+// The rows [row, row + T) of a step, as a step of their own at position pos (a batched step's session).
+DeltaStep delta_rows(const DeltaStep& step, int64_t row, int64_t T, int64_t pos);
 // Advances state (zeroed first at position 0) over the step, in the chunked form, a value head a task.
 void run_delta(const DeltaStep& step, float* state);
 
@@ -60,7 +64,9 @@ struct ConvStep {
 
 bool conv_step(const executorch::aten::Tensor& x, const executorch::aten::Tensor& weight,
                const std::optional<executorch::aten::Tensor>& bias, const executorch::aten::Tensor& position,
-               int64_t activation, executorch::aten::Tensor& out, ConvStep* step, std::string* why);
+               int64_t activation, executorch::aten::Tensor& out, ConvStep* step, std::string* why,
+               bool consecutive_rows = true);
+ConvStep conv_rows(const ConvStep& step, int64_t row, int64_t T, int64_t pos);
 // Convolves the step over state (zeroed first at position 0), then keeps its last K-1 inputs there.
 void run_conv(const ConvStep& step, float* state);
 

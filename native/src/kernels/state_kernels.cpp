@@ -5,10 +5,11 @@
 //     over state `state_id`'s matrix (gated_delta_kernel.cpp's shapes).
 //   llmpipe::state_conv.out(x, weight, bias, position, state_id, activation, *, out): the causal conv over state
 //     `state_id`'s conv inputs (causal_conv_kernel.cpp's shapes).
-// A step must go on at the cache's length or start over at 0 (the caller's check_step refuses the rest); a batched
-// step (several sessions in one forward) is refused: the batched runner takes no program with recurrent layers.
+// A step must go on at the cache's length or start over at 0 (the caller's check_step refuses the rest). With a
+// batched step bound (the batched runner), each row group advances its own session's state over its own rows.
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <executorch/runtime/kernel/kernel_includes.h>
 
@@ -22,25 +23,54 @@ namespace {
 using executorch::aten::Tensor;
 using executorch::runtime::Error;
 using executorch::runtime::KernelRuntimeContext;
-using offgraph::OffgraphKvCache;
 
-// The bound cache's state `state_id`, or null with the reason.
-OffgraphKvCache* bound_state(int64_t state_id, std::string* why) {
-  if (offgraph::bound_batch() != nullptr) {
-    *why = "a batched step is bound: recurrent layers run one session at a time";
-    return nullptr;
-  }
-  OffgraphKvCache* cache = offgraph::bound_cache();
-  if (cache == nullptr) {
+// Where a step's rows go: one state set per session, with the rows [row, row + T) at positions [pos, pos + T).
+struct Target {
+  offgraph::RecurrentStates* states;
+  int64_t row, T, pos;
+};
+
+// The targets of a step of T rows whose first position is pos: the bound cache's states (every row), or each row
+// group's session of a bound batch (their rows' positions checked). False + why if there is none, or a state_id or
+// position does not fit.
+bool targets(const Tensor& position, int64_t T, int64_t pos, int64_t state_id, std::vector<Target>* out,
+             std::string* why) {
+  out->clear();
+  if (const offgraph::BatchStep* batch = offgraph::bound_batch()) {
+    if (batch->rows() != T) {
+      *why = "the bound step has " + std::to_string(batch->rows()) + " rows but the forward has " + std::to_string(T);
+      return false;
+    }
+    int64_t row = 0;
+    for (const offgraph::RowGroup& g : batch->groups) {
+      for (int64_t i = 0; i < g.T; ++i)
+        if (kv::position_at(position, row + i) != g.pos + i) {
+          *why = "row " + std::to_string(row + i) + " has position " +
+                 std::to_string(kv::position_at(position, row + i)) + " but the bound step puts it at " +
+                 std::to_string(g.pos + i);
+          return false;
+        }
+      offgraph::RecurrentStates* st = g.kv->recurrent();
+      if (st == nullptr) {
+        *why = "a session of the bound step holds no recurrent states";
+        return false;
+      }
+      out->push_back({st, row, g.T, g.pos});
+      row += g.T;
+    }
+  } else if (offgraph::OffgraphKvCache* cache = offgraph::bound_cache()) {
+    out->push_back({&cache->states(), 0, T, pos});
+  } else {
     *why = "no off-graph cache is bound (bind it before execute)";
-    return nullptr;
+    return false;
   }
-  if (state_id < 0 || state_id >= cache->n_states()) {
-    *why = "state_id " + std::to_string(state_id) + " out of range: the bound cache has " +
-           std::to_string(cache->n_states()) + " states";
-    return nullptr;
-  }
-  return cache;
+  for (const Target& t : *out)
+    if (state_id < 0 || state_id >= t.states->size()) {
+      *why = "state_id " + std::to_string(state_id) + " out of range: the bound cache has " +
+             std::to_string(t.states->size()) + " states";
+      return false;
+    }
+  return true;
 }
 
 Tensor& fail(KernelRuntimeContext& ctx, const char* op, int64_t state_id, const std::string& why, Tensor& out) {
@@ -57,17 +87,20 @@ Tensor& state_delta_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   constexpr const char* op = "llmpipe::state_delta";
   std::string why;
   DeltaStep s;
-  if (!delta_step(q, k, v, a, b, A_log, dt_bias, position, scale, out, &s, &why))
+  static thread_local std::vector<Target> ts;
+  const bool batched = offgraph::bound_batch() != nullptr;
+  if (!delta_step(q, k, v, a, b, A_log, dt_bias, position, scale, out, &s, &why, !batched) ||
+      !targets(position, s.T, s.pos, state_id, &ts, &why))
     return fail(ctx, op, state_id, why, out);
-  OffgraphKvCache* cache = bound_state(state_id, &why);
-  if (cache == nullptr) return fail(ctx, op, state_id, why, out);
-  const offgraph::StateSpec& sp = cache->state_spec(static_cast<int>(state_id));
-  if (sp.heads != s.Hv || sp.key_dim != s.Dk || sp.value_dim != s.Dv)
-    return fail(ctx, op, state_id, "the bound state is " + std::to_string(sp.heads) + "x" + std::to_string(sp.key_dim) +
-                                        "x" + std::to_string(sp.value_dim) + " but the step's heads and dims are " +
-                                        std::to_string(s.Hv) + "x" + std::to_string(s.Dk) + "x" + std::to_string(s.Dv),
-                out);
-  run_delta(s, cache->delta_state(static_cast<int>(state_id)));
+  for (const Target& t : ts) {
+    const offgraph::StateSpec& sp = t.states->spec(static_cast<int>(state_id));
+    if (sp.heads != s.Hv || sp.key_dim != s.Dk || sp.value_dim != s.Dv)
+      return fail(ctx, op, state_id, "the bound state is " + std::to_string(sp.heads) + "x" +
+                                          std::to_string(sp.key_dim) + "x" + std::to_string(sp.value_dim) +
+                                          " but the step's heads and dims are " + std::to_string(s.Hv) + "x" +
+                                          std::to_string(s.Dk) + "x" + std::to_string(s.Dv), out);
+  }
+  for (const Target& t : ts) run_delta(delta_rows(s, t.row, t.T, t.pos), t.states->delta(static_cast<int>(state_id)));
   return out;
 }
 
@@ -77,15 +110,19 @@ Tensor& state_conv_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor&
   constexpr const char* op = "llmpipe::state_conv";
   std::string why;
   ConvStep s;
-  if (!conv_step(x, weight, bias, position, activation, out, &s, &why)) return fail(ctx, op, state_id, why, out);
-  OffgraphKvCache* cache = bound_state(state_id, &why);
-  if (cache == nullptr) return fail(ctx, op, state_id, why, out);
-  const offgraph::StateSpec& sp = cache->state_spec(static_cast<int>(state_id));
-  if (sp.conv_rows != s.K - 1 || sp.conv_channels != s.C)
-    return fail(ctx, op, state_id, "the bound conv state is " + std::to_string(sp.conv_rows) + "x" +
-                                        std::to_string(sp.conv_channels) + " but the step needs " +
-                                        std::to_string(s.K - 1) + "x" + std::to_string(s.C), out);
-  run_conv(s, cache->conv_state(static_cast<int>(state_id)));
+  static thread_local std::vector<Target> ts;
+  const bool batched = offgraph::bound_batch() != nullptr;
+  if (!conv_step(x, weight, bias, position, activation, out, &s, &why, !batched) ||
+      !targets(position, s.T, s.pos, state_id, &ts, &why))
+    return fail(ctx, op, state_id, why, out);
+  for (const Target& t : ts) {
+    const offgraph::StateSpec& sp = t.states->spec(static_cast<int>(state_id));
+    if (sp.conv_rows != s.K - 1 || sp.conv_channels != s.C)
+      return fail(ctx, op, state_id, "the bound conv state is " + std::to_string(sp.conv_rows) + "x" +
+                                          std::to_string(sp.conv_channels) + " but the step needs " +
+                                          std::to_string(s.K - 1) + "x" + std::to_string(s.C), out);
+  }
+  for (const Target& t : ts) run_conv(conv_rows(s, t.row, t.T, t.pos), t.states->conv(static_cast<int>(state_id)));
   return out;
 }
 
