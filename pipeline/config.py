@@ -82,6 +82,7 @@ class RandomModelConfig:
     num_key_value_heads: int = 2
     head_dim: int = 16
     vocab_size: int = 512
+    max_position_embeddings: int = 2048
     sliding_window: Optional[int] = None      # gemma3/gemma4 only
     sliding_window_pattern: int = 6           # gemma3/gemma4: every Nth layer is full attention
     # gemma4 only: global (full-attention) layers' own head dim and KV heads (0 = as the sliding ones),
@@ -93,6 +94,11 @@ class RandomModelConfig:
     num_kv_shared_layers: int = 0
     attention_k_eq_v: bool = False
     use_double_wide_mlp: bool = False
+    # qwen3_5_text only: the Gated DeltaNet layers' key heads, value heads and head dim (0 = the attention's KV
+    # heads, query heads and head dim)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_head_dim: int = 0
     tie_word_embeddings: bool = True
     seed: int = 0
 

@@ -24,7 +24,7 @@ def random_hf_config(r) -> dict:
         hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
         num_hidden_layers=r.num_hidden_layers, num_attention_heads=r.num_attention_heads,
         num_key_value_heads=r.num_key_value_heads, head_dim=r.head_dim, vocab_size=r.vocab_size,
-        tie_word_embeddings=r.tie_word_embeddings, max_position_embeddings=2048,
+        tie_word_embeddings=r.tie_word_embeddings, max_position_embeddings=r.max_position_embeddings,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
         # a wider init than HF's default 0.02 gives peaked logits: varied, well-separated greedy tokens
         initializer_range=0.1,
