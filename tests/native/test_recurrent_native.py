@@ -50,6 +50,33 @@ def test_undo_is_refused_but_a_reset_starts_over(native_bins, tiny_hybrid):
     assert again["generated_ids"] == first["generated_ids"]  # after the reset, the first turn's state again
 
 
+def run_runner(bins, m, *flags) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bins[0]), "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--chat", "0", "--prompt",
+                           "hello there, and more words to fill the context", "--max-new-tokens", "60",
+                           "--ignore-eos", *flags], capture_output=True, text=True, errors="replace", timeout=120)
+
+
+def test_the_kv_flags_size_the_attention_layers_and_the_state_is_the_programs(native_bins, tiny_hybrid):
+    """Off-graph: --kv-max-capacity bounds the positions (the run stops at it) and --kv-storage-dtype stores the K/V,
+    while the state stays fp32 at its program's size, and the report says both. A flag of the other cache mode, or
+    a missing one, gets the error that names it."""
+    state = "[cache] recurrent state fp32 | 1.0 KiB per sequence, whatever the depth"  # 2 conv states of 2 x 64
+    if tiny_hybrid["config"]["cache"]["mode"] == "offgraph":
+        proc = run_runner(native_bins, tiny_hybrid, "--kv-max-capacity", "40", "--kv-storage-dtype", "bf16")
+        assert proc.returncode == 0, proc.stderr
+        assert "capacity=40" in proc.stderr and "kv_dtype=BFloat16" in proc.stderr
+        assert f"{state} (the program's get_state_shapes; --kv-max-capacity" in proc.stderr
+        assert "context_full" in proc.stderr or "context full" in proc.stderr
+        missing = run_runner(native_bins, tiny_hybrid)
+        assert missing.returncode != 0 and "run it with --kv-max-capacity N" in missing.stderr
+    else:
+        proc = run_runner(native_bins, tiny_hybrid)
+        assert proc.returncode == 0, proc.stderr
+        assert f"{state} (the program's buffers)" in proc.stderr
+        wrong = run_runner(native_bins, tiny_hybrid, "--kv-max-capacity", "96")
+        assert wrong.returncode != 0 and "--kv-max-capacity selects the off-graph KV cache" in wrong.stderr
+
+
 # -- the batched runner ---------------------------------------------------------------------------------------
 A = [(i * 37) % 250 + 3 for i in range(30)]  # 4 chunks of 8
 PROMPTS = [A, [(i * 11) % 200 + 7 for i in range(13)], A[:20] + [99], [5, 4, 3, 2, 1]]

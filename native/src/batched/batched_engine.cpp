@@ -104,11 +104,13 @@ std::unique_ptr<SessionCache> Engine::new_cache() {
 }
 
 std::string Engine::describe() const {
-  // the layer line ends as the single runner's does: ", S shared" when KV-shared layers read their source's cache
-  const std::string shared = o_.shared_layers > 0 ? ", " + std::to_string(o_.shared_layers) + " shared" : "";
-  if (pool_) return pool_->describe() + shared + "\n[cache] batched-cell: one pool of cells shared by every session";
+  // the layer line ends as the single runner's does (", S shared" when KV-shared layers read their source's cache),
+  // then the recurrent state's line
+  std::string tail = o_.shared_layers > 0 ? ", " + std::to_string(o_.shared_layers) + " shared" : "";
+  if (!o_.states.empty()) tail += "\n" + offgraph::state_line(o_.states, true);
+  if (pool_) return pool_->describe() + tail + "\n[cache] batched-cell: one pool of cells shared by every session";
   SequenceCache probe(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype, o_.states);
-  return probe.cache().describe() + shared + "\n[cache] batched-sequence: one off-graph cache per session";
+  return probe.cache().describe() + tail + "\n[cache] batched-sequence: one off-graph cache per session";
 }
 
 int64_t Engine::kv_bytes() const {

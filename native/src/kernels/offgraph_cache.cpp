@@ -1,5 +1,7 @@
 #include "kernels/offgraph_cache.h"
 
+#include <cstdio>
+
 #include <algorithm>
 #include <cctype>
 #include <map>
@@ -216,6 +218,20 @@ std::vector<StateSpec> RecurrentStates::specs() const {
   std::vector<StateSpec> out;
   for (const State& st : states_) out.push_back(st.spec);
   return out;
+}
+
+std::string state_line(const std::vector<StateSpec>& specs, bool runtime_owned) {
+  if (specs.empty()) return "";
+  double bytes = 0;
+  for (const StateSpec& sp : specs)
+    bytes += 4.0 * static_cast<double>(sp.heads * sp.key_dim * sp.value_dim + sp.conv_rows * sp.conv_channels);
+  char size[32];
+  if (bytes >= 1 << 20) std::snprintf(size, sizeof size, "%.1f MiB", bytes / (1 << 20));
+  else std::snprintf(size, sizeof size, "%.1f KiB", bytes / 1024);
+  return std::string("[cache] recurrent state fp32 | ") + size + " per sequence, whatever the depth " +
+         (runtime_owned ? "(the program's get_state_shapes; --kv-max-capacity, --kv-storage-dtype and --kv-windows "
+                          "size the attention layers only)"
+                        : "(the program's buffers)");
 }
 
 std::string state_counts(const std::vector<StateSpec>& specs) {

@@ -75,6 +75,9 @@ std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values);
 std::string state_name(const StateSpec& s);
 // The layer line's part for these states, e.g. "3 deltanet(4x16x16) + " ("" for none).
 std::string state_counts(const std::vector<StateSpec>& specs);
+// The report's line for them: "[cache] recurrent state fp32 | 3.0 KiB per sequence, whatever the depth (...)" ("" for
+// none), held by the runtime (what the --kv-* flags do not size) or in the program's buffers.
+std::string state_line(const std::vector<StateSpec>& specs, bool runtime_owned);
 
 // One sequence's recurrent states, fp32, zeroed at first. A copy is a snapshot: a few KB to a few MB, whatever the
 // depth. Both rules below hold for every owner (the single runner's cache, a batched session).

@@ -113,7 +113,7 @@ class InGraphCache final : public KvCacheOwner {
     if (!rings_.empty())
       s += " | " + std::to_string(rings_.size()) + " ring layers (window " +
            std::to_string(rings_[0].window) + ", " + std::to_string(rings_[0].slots) + " slots)";
-    if (layers_.recurrent()) s += " | " + describe_layers();
+    if (layers_.recurrent()) s += " | " + describe_layers() + "\n" + offgraph::state_line(layers_.states, false);
     return s;
   }
 
@@ -165,7 +165,10 @@ class OffgraphCacheOwner final : public KvCacheOwner {
   void commit(int64_t pos, int64_t n) override { cache_.commit(pos, n); }
   bool rewind(int64_t pos, std::string* why) override { return cache_.rewind(pos, why); }
   void reset() override { cache_.reset(); }
-  std::string describe() const override { return cache_.describe(); }
+  std::string describe() const override {
+    const std::string states = offgraph::state_line(cache_.states().specs(), true);
+    return cache_.describe() + (states.empty() ? "" : "\n" + states);
+  }
   int64_t bytes() const override { return cache_.bytes(); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
   // The program's recurrent layers (get_state_shapes): their state, held here.
