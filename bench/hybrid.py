@@ -4,6 +4,7 @@ one invocation with alternating runs (a benchmark, not a test).
     python bench/hybrid.py                              # both tables, 2 threads, 3 rounds
     python bench/hybrid.py --tables depth --threads 1,2 --rounds 5
     python bench/hybrid.py --no-dense                   # without the attention-only model beside it
+    python bench/hybrid.py --kv-dtypes fp32             # K/V stored in fp32 only (default: fp32 and bf16)
 
 The hybrid is recipes/scale_qwen35_08b.yaml: Qwen3.5-0.8B's geometry with random weights (18 Gated DeltaNet layers, 6
 full-attention layers, 0.54 B parameters), 8da4w, off-graph cache, XNNPACK, context 4096, prefill chunk 128. Beside
@@ -11,8 +12,10 @@ it (--dense, on by default) the same dims as an attention-only Qwen3 (24 full-at
 256, 2 KV heads): the models whose decode slows with depth, for the ratio the hybrid is held to.
 
 - depth: 64 tokens decoded after a prompt of d tokens, d = 16, 512, 2048 and the deepest the program allows
-  (context - 65); each deep row as a share of d16. A recurrent layer reads and writes a fixed state per token
-  whatever d; only the attention layers' K/V reads grow.
+  (context - 65), per K/V storage dtype (--kv-storage-dtype; the state is fp32 whatever it is); each deep row as a
+  share of d16, and the milliseconds a token costs over d16. A recurrent layer reads and writes a fixed state per
+  token whatever d; only the attention layers' K/V reads grow, so the hybrid's extra milliseconds are the dense
+  model's times its share of attention layers (6 of 24).
 - prefill: a 512-token prompt at prefill chunks 1, 32, 128, 512 (one build each: the chunk is exported), tok/s.
 Prints Markdown tables; writes outputs/bench/hybrid.json.
 """
@@ -31,10 +34,11 @@ CHUNKS = (1, 32, 128, 512)
 PREFILL = 512
 
 
-def runner(m: dict, ids: list[int], new: int, threads: int) -> dict:
+def runner(m: dict, ids: list[int], new: int, threads: int, kv_dtype: str = "fp32") -> dict:
     from pipeline import native
     return native.run(m["pte"], m["tokenizer"], prompt_ids=ids, max_new_tokens=new,
-                      extra_args=[*native.cache_args(m), "--ignore-eos", "--warmup", "--threads", str(threads)])
+                      extra_args=[*native.cache_args(m), "--kv-storage-dtype", kv_dtype, "--ignore-eos", "--warmup",
+                                  "--threads", str(threads)])
 
 
 def prompt(n: int) -> list[int]:
@@ -45,20 +49,22 @@ def depths(context: int) -> list[int]:
     return [16, 512, 2048, context - DECODE - 1]
 
 
-def depth_table(builds: dict[str, dict], threads: int, rounds: int) -> dict:
+def depth_table(builds: dict[str, dict], threads: int, rounds: int, kv_dtype: str) -> dict:
     context = builds["hybrid"]["config"]["export"]["max_context_len"]
     runs = {(name, d): [] for name in builds for d in depths(context)}
     for _ in range(rounds):  # alternating, so drift hits every row alike
         for d in depths(context):
             for name, m in builds.items():
-                runs[name, d].append(runner(m, prompt(d), DECODE, threads)["decode_tok_s"])
+                runs[name, d].append(runner(m, prompt(d), DECODE, threads, kv_dtype)["decode_tok_s"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     names = list(builds)
-    print(f"\n{threads} thread(s), decode tok/s (median of {rounds}), {DECODE} tokens after a prompt of d tokens\n")
-    print("| depth | " + " | ".join(f"{n} tok/s | {n} / d16" for n in names) + " |")
-    print("|---|" + "---|---|" * len(names))
+    print(f"\n{threads} thread(s), K/V {kv_dtype}: decode tok/s (median of {rounds}), {DECODE} tokens after a prompt "
+          f"of d tokens\n")
+    print("| depth | " + " | ".join(f"{n} tok/s | {n} / d16 | {n} ms/token over d16" for n in names) + " |")
+    print("|---|" + "---|---|---|" * len(names))
     for d in depths(context):
-        cells = [f"{med[n, d]:.1f} | {med[n, d] / med[n, 16]:.0%}" for n in names]
+        cells = [f"{med[n, d]:.1f} | {med[n, d] / med[n, 16]:.0%} | {1e3 / med[n, d] - 1e3 / med[n, 16]:.1f}"
+                 for n in names]
         print(f"| {d} | " + " | ".join(cells) + " |")
     return {f"{n} d{d}": {"median": med[n, d], "runs": runs[n, d], "share_of_d16": med[n, d] / med[n, 16]}
             for n in names for d in depths(context)}
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--threads", default="2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-dense", action="store_true", help="the hybrid alone in the depth table")
+    ap.add_argument("--kv-dtypes", default="fp32,bf16", help="K/V storage dtypes of the depth table")
     a = ap.parse_args()
     tables = a.tables.split(",")
     results = {}
@@ -92,7 +99,8 @@ def main() -> None:
         builds["dense"] = build(DENSE)
     for t in map(int, a.threads.split(",")):
         if "depth" in tables:
-            results[f"depth t{t}"] = depth_table(builds, t, a.rounds)
+            for kv in a.kv_dtypes.split(","):
+                results[f"depth t{t} kv {kv}"] = depth_table(builds, t, a.rounds, kv)
         if "prefill" in tables:
             results[f"prefill t{t}"] = prefill_table(t, a.rounds)
     out = ROOT / "outputs" / "bench" / "hybrid.json"

@@ -1,7 +1,7 @@
 """How build time and memory grow with the model: cold builds of random-weight models at real geometries, each
 stage's time and peak RSS against the fp32 weights and preflight's estimate (a benchmark, not a test).
 
-    python bench/scaling.py                                   # SmolLM2-135M, gemma-3-270m, Llama-3.2-1B geometry
+    python bench/scaling.py                 # SmolLM2-135M, gemma-3-270m, Llama-3.2-1B, Qwen3.5-0.8B (hybrid) geometry
     python bench/scaling.py --recipes scale_smollm2_135m --keep
 
 Each build runs in its own process on a fresh stage cache (outputs/bench/scaling-<time>/), so every stage is
@@ -18,7 +18,7 @@ import time
 
 from common import ROOT, build
 
-RECIPES = ("scale_smollm2_135m", "scale_gemma3_270m", "scale_llama32_1b")
+RECIPES = ("scale_smollm2_135m", "scale_gemma3_270m", "scale_llama32_1b", "scale_qwen35_08b")
 
 
 def estimate(recipe: str) -> dict:
