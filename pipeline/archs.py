@@ -46,7 +46,8 @@ def layout(a: Arch) -> str:
     """What the entry declares, in a few words."""
     at, parts = a.attention, []
     if a.gated_delta:
-        parts.append("Gated DeltaNet layers (recurrent state)")
+        fused = f", fused {a.gated_delta.fused_qkvz} / {a.gated_delta.fused_ba}" if a.gated_delta.fused_qkvz else ""
+        parts.append(f"Gated DeltaNet layers (recurrent state{fused})")
     if a.short_conv:
         parts.append("short-conv layers (recurrent state)")
     if at.output_gate:
@@ -61,7 +62,8 @@ def layout(a: Arch) -> str:
     if a.norms.placement != "pre" or a.norms.kind != "rms":
         parts.append(f"{a.norms.placement} {'LayerNorm' if a.norms.kind == 'layer' else 'norms'}")
     if a.experts is not None:
-        parts.append(f"MoE ({a.experts.activation.replace('_', ' ')})")
+        shared = ", shared expert" if a.experts.shared else ""
+        parts.append(f"MoE ({a.experts.activation.replace('_', ' ')}{shared})")
     if at.sinks:
         parts.append("attention sinks")
     parts.append(a.rotary)
@@ -86,8 +88,13 @@ def table(markdown: bool) -> str:
         rows.append([f"`{t}`" if markdown else t, a.family, layout(a)] + cells)
     notes = [f"[{i}] {why}" for i, why in enumerate(reasons, 1)]
     notes.append("Schemes: " + "; ".join(f"{b}: {', '.join(schemes(b))}" for b in dict(COLUMNS)) +
-                 " (the experts take every one; the router stays in float). fp32 under the exact gate, the backend's "
-                 "default quantization under its gate, C++ runner tokens equal to the Python runtime's on XNNPACK.")
+                 " (the experts take every one; the router and a shared expert's gate stay in float). fp32 under the "
+                 "exact gate, the backend's default quantization under its gate, C++ runner tokens equal to the Python "
+                 "runtime's on XNNPACK.")
+    notes.append("Not in the registry yet: Falcon-H1 (`falcon_h1`: Mamba-2 heads beside attention in every layer) "
+                 "needs a Mamba-2 state kind (per head a head dim x state size matrix, plus its conv), the SSD scan "
+                 "as a kernel with its Python twin, and a mixer that sums the two paths; preflight refuses it by "
+                 "name until then.")
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]

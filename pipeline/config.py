@@ -94,7 +94,7 @@ class RandomModelConfig:
     num_kv_shared_layers: int = 0
     attention_k_eq_v: bool = False
     use_double_wide_mlp: bool = False
-    # qwen3_5_text only: the Gated DeltaNet layers' key heads, value heads and head dim (0 = the attention's KV
+    # qwen3_5_text, qwen3_next: the Gated DeltaNet layers' key heads, value heads and head dim (0 = the attention's KV
     # heads, query heads and head dim)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0

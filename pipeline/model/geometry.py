@@ -40,6 +40,7 @@ class Geometry:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_width: int = 0
+    shared_expert_width: int = 0  # a shared expert beside the routed ones (0: none)
     dense_mlp_layers: list[int] = field(default_factory=list)
     # recurrent layers: a Gated DeltaNet's key / value heads and dims and its conv kernel; a short conv's kernel
     delta_key_heads: int = 0
@@ -148,8 +149,13 @@ class Geometry:
         if self.has_experts(i):
             w = self.expert_width
             shapes = {"gate": (w, h), "up": (w, h), "down": (h, w)}
-            return {f"{p}{a.experts.bank}.{e}.{name}": (*shapes[role], role)
-                    for e in range(self.num_experts) for role, name in archs.EXPERT_LINEARS.items()}
+            out = {f"{p}{a.experts.bank}.{e}.{name}": (*shapes[role], role)
+                   for e in range(self.num_experts) for role, name in archs.EXPERT_LINEARS.items()}
+            if a.experts.shared:
+                s, sw = f"{p}{a.experts.shared}.", self.shared_expert_width
+                out.update({s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up"), s + m.down: (h, sw, "down"),
+                            p + a.experts.shared_gate: (1, h, "shared_gate")})
+            return out
         width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
         ins = {p + m.gate_up: (2 * width, h, "gate_up")} if m.gate_up else \
             {p + m.gate: (width, h, "gate"), p + m.up: (width, h, "up")}
@@ -249,7 +255,8 @@ def from_config(config) -> Geometry:
     if a.experts is not None:
         x = a.experts
         extra.update(num_experts=getattr(config, x.count_key), experts_per_token=getattr(config, x.top_k_key),
-                     expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)))
+                     expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)),
+                     shared_expert_width=getattr(config, x.shared_width_key) if x.shared else 0)
     if a.gated_delta is not None:
         d = a.gated_delta
         extra.update(delta_key_heads=getattr(config, d.key_heads_key),

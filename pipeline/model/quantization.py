@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pipeline.config import v
+from pipeline.model import archs
 from pipeline.model.geometry import from_config
 
 
@@ -101,6 +102,8 @@ def linear_plan(model: nn.Module, q, retie: bool) -> dict[tuple[str, int], list[
             choice = head_scheme(q)
         elif override is not None:
             choice = (v(override.scheme), override.group_size)
+        elif roles.get(name) in archs.FLOAT_ROLES:
+            continue
         else:
             choice = (v(q.linear), q.linear_group_size)
         if choice[0] != "none":

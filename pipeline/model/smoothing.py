@@ -73,7 +73,12 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
     if a.has_experts(layer):
         router = getattr(mlp, a.experts.router)
         bank = getattr(mlp, a.experts.bank)
-        return router, [router.weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
+        readers = [router.weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
+        if a.experts.shared:  # the shared expert and its gate read the same input
+            shared = getattr(mlp, a.experts.shared)
+            readers += [getattr(shared, a.mlp.gate).weight, getattr(shared, a.mlp.up).weight,
+                        getattr(mlp, a.experts.shared_gate).weight]
+        return router, readers
     linears = [m for m in (_linear(mlp, a.mlp.gate_up),) if m] or \
         [m for m in (_linear(mlp, a.mlp.gate), _linear(mlp, a.mlp.up)) if m]
     return (linears[0] if linears else None), [m.weight for m in linears]
@@ -86,8 +91,13 @@ def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
         if a.experts.activation != "silu":
             return []
         bank = getattr(mlp, a.experts.bank)
-        return [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
-                for e, x in enumerate(bank)]
+        groups = [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
+                  for e, x in enumerate(bank)]
+        if a.experts.shared:
+            shared = getattr(mlp, a.experts.shared)
+            down = getattr(shared, a.mlp.down)
+            groups.append(Group(f"{i}.down.shared", down, [down.weight], rows=Rows(getattr(shared, a.mlp.up))))
+        return groups
     down = _linear(mlp, a.mlp.down)
     fused = _linear(mlp, a.mlp.gate_up)
     up = Rows(fused, fused.out_features // 2, fused.out_features) if fused else Rows(_linear(mlp, a.mlp.up))

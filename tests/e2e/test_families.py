@@ -31,7 +31,7 @@ CI_CELLS = [("phi3", "xnnpack", "custom", "default"), ("phi3", "xnnpack", "offgr
             ("gpt_oss", "xnnpack", "offgraph", "default"), ("gpt_oss", "xnnpack", "custom", "fp32"),
             ("phi3", "mlx", "offgraph", "fp32"), ("qwen3_moe", "mlx", "custom", "default"),
             ("qwen3_5_text", "xnnpack", "custom", "default"), ("lfm2", "xnnpack", "custom", "fp32"),
-            ("lfm2", "xnnpack", "offgraph", "fp32")]
+            ("lfm2", "xnnpack", "offgraph", "fp32"), ("qwen3_next", "xnnpack", "offgraph", "default")]
 ALL_CELLS = [(t, b, m, s) for t, b, m in supported_cells() for s in SCHEMES]
 
 

@@ -1,7 +1,8 @@
-"""Recurrent layers (pipeline/model/recurrent.py) on tiny Qwen3.5 and LFM2 models: each cache mode's wrapper against
-HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the default's; a step at 0
-starts over; the HF model called alone leaves the state as it was; a step back is refused; the program's published
-layer kinds; what preflight refuses."""
+"""Recurrent layers (pipeline/model/recurrent.py) on tiny Qwen3.5, Qwen3-Next and LFM2 models: each cache mode's
+wrapper against HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the
+default's; a step at 0 starts over; the HF model called alone leaves the state as it was; a step back is refused; the
+program's published layer kinds; what preflight refuses; Qwen3-Next's fused projections split at load, and its
+shared expert's gate kept float."""
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,7 @@ from pipeline.model.exportable import make_exportable
 from tests.helpers import compose_cfg
 from tests.model.test_archs import tiny_model, tiny_overrides
 
-HYBRIDS = ["qwen3_5_text", "lfm2"]
+HYBRIDS = ["qwen3_5_text", "qwen3_next", "lfm2"]
 N = 300
 
 
@@ -101,3 +102,33 @@ def test_what_does_not_build_them_yet_is_refused_at_preflight(override, match):
     cfg = compose_cfg(*tiny_overrides("qwen3_5_text"), override)
     with pytest.raises(Exception, match=match):
         preflight.check(cfg)
+
+
+def test_qwen3_next_s_fused_projections_split_without_moving_the_logits():
+    """The fused in_proj_qkvz / in_proj_ba, grouped per key head, become Qwen3.5's four projections: HF's forward
+    gives the same logits before and after (the expert banks' rewrite too: float sums in another order)."""
+    model = tiny_model("qwen3_next")
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    done = make_exportable(model)
+    with torch.no_grad():
+        after = model(ids).logits
+    assert done["delta_projections_split"] == 3 and done["experts_rewritten"] == 3
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    layer = model.model.layers[0].linear_attn
+    assert not hasattr(layer, "in_proj_qkvz") and layer.in_proj_qkv.weight.shape == (2 * 2 * 16 + 4 * 16, 64)
+
+
+def test_the_shared_experts_gate_stays_float_unless_an_override_names_it():
+    from pipeline.model.quantization import linear_plan
+    model = tiny_model("qwen3_next")
+    make_exportable(model)
+    gates = {f"model.layers.{i}.mlp.shared_expert_gate" for i in (0, 2, 3)}  # layer 1 is dense
+
+    def planned(*overrides):
+        q = compose_cfg(*tiny_overrides("qwen3_next"), "quantize=8da4w", *overrides).quantize
+        return {n for names in linear_plan(model, q, retie=False).values() for n in names}
+    default = planned()
+    assert not gates & default and "model.layers.0.mlp.shared_expert.down_proj" in default
+    assert gates <= planned("+quantize.overrides=[{role: shared_gate, scheme: 8w, group_size: 0}]")

@@ -26,7 +26,10 @@ RECURRENT_KINDS = ("linear_attention", "conv")
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
-         "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out")
+         "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate")
+# roles kept in float unless an override names them: a shared expert's gate is one output row (a scalar per token that
+# scales the whole shared expert), where a 4-bit step would be all of its error
+FLOAT_ROLES = ("shared_gate",)
 # rotary scalings that trace to a program: `dynamic` recomputes its frequencies in a Python branch on the length
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
@@ -90,6 +93,11 @@ class Experts:
     activation: str = "silu"           # "silu": act(gate) * up; "clamped_swiglu": gpt-oss's, limit and alpha
     # layers whose MLP is dense, from the config (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
     dense_layers: Callable = field(default=lambda config: [])
+    # a shared expert every token runs beside the routed ones (an MLP in the block, with the entry's Mlp names),
+    # scaled by sigmoid(shared_gate(x)) (Qwen3-Next); "" = none
+    shared: str = ""
+    shared_gate: str = ""
+    shared_width_key: str = "shared_expert_intermediate_size"
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,10 @@ class GatedDeltaNet:
     key_dim_key: str = "linear_key_head_dim"
     value_dim_key: str = "linear_value_head_dim"
     kernel_key: str = "linear_conv_kernel_dim"
+    # Qwen3-Next: q|k|v|z and b|a come fused, grouped per key head; load splits them into the four above
+    # (exportable.split_delta_projections), so "" everywhere but in the HF checkpoint's layout
+    fused_qkvz: str = ""
+    fused_ba: str = ""
 
 
 @dataclass(frozen=True)
