@@ -2,7 +2,7 @@
 its payload (pipeline/runtimes/mlx).
 
 The cache modes' wrappers keep their layout; only the attention op they call is switched to the one the MLX
-delegate lowers (attention.py). Lowering uses the delegate's default passes and the compile config of its LLM
+delegate lowers (attention.py), and the recurrent layers' conv and delta rule to theirs (recurrent.py). Lowering uses the delegate's default passes and the compile config of its LLM
 example (extract_delegate_segments, graph inputs planned).
 """
 from __future__ import annotations
@@ -54,11 +54,10 @@ def refuses_kv_dtype() -> str | None:
 def refuses_arch(arch) -> str | None:
     """Why it cannot build a model of this architecture (None: it can). A program must be MLX delegate calls only
     (the MLX runtime runs nothing else): attention sinks have no MLX form (the delegate's SDPA node takes no sink
-    logits); experts run as gather matmuls (experts.py) under silu only."""
+    logits); experts run as gather matmuls (experts.py) under silu only; recurrent layers keep their state in the
+    program's buffers in every mode (recurrent.py)."""
     if arch.attention.sinks:
         return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
-    if arch.recurrent_kinds():
-        return "recurrent layers: MLX programs do not build their state yet (backend=xnnpack does)"
     if arch.experts is not None and arch.experts.activation != "silu":
         return f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up here"
     return None
@@ -73,11 +72,14 @@ def setup() -> None:
 
 
 def prepare(module, cfg) -> dict:
-    """Switch a wrapped module's attention to the ops the MLX delegate lowers, before torch.export."""
+    """Switch a wrapped module's attention and recurrent layers to the ops the MLX delegate lowers, before
+    torch.export."""
     setup()
     from pipeline.backends.mlx.attention import prepare_attention
+    from pipeline.backends.mlx.recurrent import prepare_recurrent
     from pipeline.model.cache_modes import flags
-    return prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len, flags(cfg.cache))
+    return {**prepare_attention(module, v(cfg.cache.mode), cfg.export.max_context_len, flags(cfg.cache)),
+            **prepare_recurrent(module)}
 
 
 def pack_experts(model) -> int:

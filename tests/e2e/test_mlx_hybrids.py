@@ -1,0 +1,28 @@
+"""The recurrent hybrids on MLX (pipeline/backends/mlx/recurrent.py): tiny Qwen3.5 and LFM2 programs are delegate
+calls only, verified at the exact gate through the interpreter, with each form the delegate gives the delta rule: a
+ScanNode over the step's tokens (key dim 16) and its Metal kernel `gated_delta_step` (key dim 32), and the conv as
+Conv1DNode. (Every family x mode x scheme cell is in the slow tier: tests/e2e/test_families.py.)"""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.runtimes.mlx.program import coverage
+from tests.helpers import compose_cfg
+from tests.model.test_archs import tiny_overrides
+
+
+@pytest.mark.parametrize("family,mode,extra,node", [
+    ("qwen3_5_text", "custom", [], "ScanNode"),
+    ("qwen3_5_text", "offgraph", ["model.random.linear_head_dim=32"], "MetalKernelNode"),
+    ("lfm2", "custom", [], "Conv1DNode"),
+], ids=["qwen3_5-custom-scan", "qwen3_5-offgraph-metal", "lfm2-custom"])
+def test_a_hybrid_builds_on_mlx_and_verifies_exactly(family, mode, extra, node):
+    from pipeline.session import build
+    cfg = compose_cfg(*tiny_overrides(family), "backend=mlx", f"cache={mode}", "quantize=none", *extra,
+                      "export.max_context_len=96", "verify.max_new_tokens=12", "run.progress=false")
+    m = build(cfg, recipe=f"{family} mlx {mode}")
+    assert m["status"] == "ok", m.get("error")
+    assert m["verify"]["gate"] == "exact"
+    cov = coverage(m["pte"])
+    assert node in cov["instructions"] and cov["uncovered"] == []
+    assert "Conv1DNode" in cov["instructions"]
