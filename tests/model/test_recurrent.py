@@ -94,7 +94,6 @@ def test_the_program_publishes_each_layer_s_kind_and_state():
 
 
 @pytest.mark.parametrize("override,match", [
-    ("backend=mlx", "MLX programs do not build their state"),
     ("cache.custom_kv_cache=false", "kept beside the fused op"),
     ("export.dtype=bf16", "recurrent layers' kernels .* take fp32 activations"),
 ])
