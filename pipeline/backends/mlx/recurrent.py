@@ -58,22 +58,15 @@ def mlx_delta(mixer: recurrent.RecurrentMixer, q, k, v, a, b, A_log, dt_bias, sc
                                           torch.sigmoid(b.float()), state, use_custom_kernel=q.shape[-1] % 32 == 0)
 
 
-class MLXMixerForms:
-    """Binds a mixer's run_conv / run_delta to the MLX forms and gives it the op's state layout."""
-
-    @staticmethod
-    def install(mixer: recurrent.RecurrentMixer) -> None:
-        mixer.state_id = None  # the program holds the state (see the module's docstring)
-        for name, shape in mixer.shapes.items():
-            if name == "delta":  # the op's layout: [1, Hv, Dv, Dk]
-                shape = (1, shape[0], shape[2], shape[1])
-            buf = torch.zeros(shape, dtype=mixer.dtypes[name])
-            if f"{name}_state" in mixer._buffers:
-                mixer._buffers[f"{name}_state"] = buf
-            else:
-                mixer.register_buffer(f"{name}_state", buf, persistent=False)
-        mixer.run_conv = lambda x, conv, activation: mlx_conv(mixer, x, conv, activation)
-        mixer.run_delta = lambda *args: mlx_delta(mixer, *args)
+def install_mlx_forms(mixer: recurrent.RecurrentMixer) -> None:
+    """Bind a mixer's run_conv / run_delta to the MLX forms, its state in buffers of the op's layout."""
+    mixer.state_id = None  # the program holds the state (see the module's docstring)
+    for name, shape in mixer.shapes.items():
+        if name == "delta":  # the op's layout: [1, Hv, Dv, Dk]
+            shape = (1, shape[0], shape[2], shape[1])
+        mixer.register_buffer(f"{name}_state", torch.zeros(shape, dtype=mixer.dtypes[name]), persistent=False)
+    mixer.run_conv = lambda x, conv, activation: mlx_conv(mixer, x, conv, activation)
+    mixer.run_delta = lambda *args: mlx_delta(mixer, *args)
 
 
 def prepare_recurrent(module: nn.Module) -> dict:
@@ -83,5 +76,5 @@ def prepare_recurrent(module: nn.Module) -> dict:
         return {}
     import executorch.backends.mlx.custom_kernel_ops.gated_delta_rule  # noqa: F401  (registers mlx::gated_delta_rule)
     for m in found:
-        MLXMixerForms.install(m)
+        install_mlx_forms(m)
     return {"recurrent": f"{len(found)} mixers: conv1d + mlx::gated_delta_rule, state in the program's buffers"}
