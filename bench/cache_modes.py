@@ -13,14 +13,13 @@ Prints medians and ratios against `static`; writes outputs/bench/cache_modes.jso
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import ROOT, build  # noqa: E402  (bench/ is the script's folder)
+from common import ROOT, build, write_results  # noqa: E402  (bench/ is the script's folder)
 
 # per model: mode -> pipeline overrides (same weights and quantization within a model)
 MODES = {
@@ -163,10 +162,7 @@ def main() -> None:
                   f"x{ours['decode_tok_s'] / theirs['decode_tok_s']:.2f}; our C++ runner's custom decode vs "
                   f"their Python-runtime decode x{rows['custom']['decode_tok_s'] / theirs['decode_tok_s']:.2f} "
                   f"(greedy tokens equal: {theirs['greedy_tokens_equal_custom']}/{a.new_tokens})")
-    out = ROOT / "outputs" / "bench" / "cache_modes.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results("cache_modes", results)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,15 @@ def build(overrides: list[str], verify: bool = False) -> dict:
     return json.loads(Path(r.stdout.strip().splitlines()[-1].split(": ", 1)[1]).read_text())
 
 
+def write_results(name: str, results) -> Path:
+    """outputs/bench/<name>.json, and says where."""
+    out = ROOT / "outputs" / "bench" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+    return out
+
+
 def gguf_file(m: dict) -> Path:
     """The GGUF the model came from (assembled once into outputs/bench/ when shipped in chunks)."""
     from omegaconf import OmegaConf

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, build, gguf_file  # noqa: E402  (bench/ is the script's folder)
+from common import ROOT, build, gguf_file, write_results  # noqa: E402  (bench/ is the script's folder)
 
 # the best recipe per model (smallest and fastest that still verifies)
 BEST = {"smollm2": ["recipe=smollm2_custom_fp16kv"], "gemma3": ["recipe=gemma3_offgraph_8da4w"]}
@@ -261,10 +261,7 @@ def main() -> None:
                   f"{row['deep/d16'] or 0:>9.2f}{fmt(row['ttft_ms']):>9}{row['peak_rss_mib']:>9.0f}")
         for name, rr in ratios.items():
             print(f"  {name:<30}" + "  ".join(f"{k} x{v:.2f}" for k, v in rr.items()))
-    out = ROOT / "outputs" / "bench" / "latest.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(latest, indent=2))
-    print(f"\nwrote {out}")
+    write_results("latest", latest)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ Prints Markdown tables; writes outputs/bench/hybrid.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
-from common import ROOT, build  # noqa: E402  (bench/ is the script's folder)
+from common import build, write_results  # noqa: E402  (bench/ is the script's folder)
 
 HYBRID = ["recipe=scale_qwen35_08b"]
 DENSE = HYBRID + ["model.random.arch=qwen3", "model.name=random-qwen3-dense-08b"]
@@ -103,10 +102,7 @@ def main() -> None:
                 results[f"depth t{t} kv {kv}"] = depth_table(builds, t, a.rounds, kv)
         if "prefill" in tables:
             results[f"prefill t{t}"] = prefill_table(t, a.rounds)
-    out = ROOT / "outputs" / "bench" / "hybrid.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"\nwrote {out}")
+    write_results("hybrid", results)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,14 @@ CI_CELLS = [("phi3", "xnnpack", "custom", "default"), ("phi3", "xnnpack", "offgr
 ALL_CELLS = [(t, b, m, s) for t, b, m in supported_cells() for s in SCHEMES]
 
 
-def build_family(model_type: str, backend: str, mode: str, scheme: str) -> dict:
+def build_family(model_type: str, backend: str, mode: str, scheme: str, *extra: str) -> dict:
     """A tiny random model of the family through the whole pipeline; its run manifest. Random weights: what
     quantization costs against float means nothing, so a quantized build is gated on its fidelity to the eager
     model of the same quantization (same_quant) only, as `validate --smoke` does."""
     from pipeline.session import build
     overrides = [*tiny_overrides(model_type), f"backend={backend}", f"cache={mode}", "export.max_context_len=96",
-                 "verify.max_new_tokens=12", "run.progress=false"] + (["quantize=none"] if scheme == "fp32" else [])
+                 "verify.max_new_tokens=12", "run.progress=false"] + (["quantize=none"] if scheme == "fp32" else []) + \
+        list(extra)
     cfg = compose_cfg(*overrides)
     if scheme != "fp32":
         for gate in ("exact", "half", "dynamic"):

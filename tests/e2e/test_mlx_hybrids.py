@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.runtimes.mlx.program import coverage
-from tests.helpers import compose_cfg
-from tests.model.test_archs import tiny_overrides
+from tests.e2e.test_families import build_family
 
 
 @pytest.mark.parametrize("family,mode,extra,node", [
@@ -17,10 +16,7 @@ from tests.model.test_archs import tiny_overrides
     ("lfm2", "custom", [], "Conv1DNode"),
 ], ids=["qwen3_5-custom-scan", "qwen3_5-offgraph-metal", "lfm2-custom"])
 def test_a_hybrid_builds_on_mlx_and_verifies_exactly(family, mode, extra, node):
-    from pipeline.session import build
-    cfg = compose_cfg(*tiny_overrides(family), "backend=mlx", f"cache={mode}", "quantize=none", *extra,
-                      "export.max_context_len=96", "verify.max_new_tokens=12", "run.progress=false")
-    m = build(cfg, recipe=f"{family} mlx {mode}")
+    m = build_family(family, "mlx", mode, "fp32", *extra)
     assert m["status"] == "ok", m.get("error")
     assert m["verify"]["gate"] == "exact"
     cov = coverage(m["pte"])

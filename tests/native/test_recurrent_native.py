@@ -15,8 +15,6 @@ import pytest
 from pipeline.generate import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.e2e.test_families import build_family
-from tests.helpers import compose_cfg
-from tests.model.test_archs import tiny_overrides
 from tests.native.test_batched_runner import KINDS, batched, tokens
 from tests.native.test_custom_native import turns
 
@@ -85,11 +83,7 @@ NEW = 12
 
 @pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
 def chunked_hybrid(request) -> dict:
-    from pipeline.session import build
-    cfg = compose_cfg(*tiny_overrides(request.param), "backend=xnnpack", "cache=offgraph", "quantize=none",
-                      "export.max_context_len=96", "export.prefill_chunk=8", "verify.max_new_tokens=12",
-                      "run.progress=false")
-    m = build(cfg, recipe=f"{request.param} off-graph, chunk 8")
+    m = build_family(request.param, "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8")
     assert m["status"] == "ok", m.get("error")
     return m
 

@@ -2,8 +2,9 @@
 its payload (pipeline/runtimes/mlx).
 
 The cache modes' wrappers keep their layout; only the attention op they call is switched to the one the MLX
-delegate lowers (attention.py), and the recurrent layers' conv and delta rule to theirs (recurrent.py). Lowering uses the delegate's default passes and the compile config of its LLM
-example (extract_delegate_segments, graph inputs planned).
+delegate lowers (attention.py), and the recurrent layers' conv and delta rule to theirs (recurrent.py). Lowering
+uses the delegate's default passes and the compile config of its LLM example (extract_delegate_segments, graph
+inputs planned).
 """
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ def mlx_conv(mixer: recurrent.RecurrentMixer, x: torch.Tensor, conv: nn.Module, 
     state = mixer.conv_state
     state.mul_(_keep(pos, state.dtype))
     rows = torch.cat([state.unsqueeze(0), x.to(state.dtype)], dim=1)  # [1, K-1+T, C]
-    keep = state.shape[0]
-    state.copy_(rows[0, rows.shape[1] - keep:])
+    held = state.shape[0]
+    state.copy_(rows[0, rows.shape[1] - held:])
     y = F.conv1d(rows.transpose(1, 2), conv.weight, conv.bias, groups=rows.shape[2]).transpose(1, 2)
     return F.silu(y) if activation == "silu" else y
 

@@ -4,15 +4,21 @@
 from pipeline.model.archs import Arch, Attention, GatedDeltaNet, Norms
 
 
-def random_config(r, common: dict) -> dict:
-    """A tiny Qwen3.5: a full-attention layer every fourth, GDN heads like the attention's (a key head per two value
-    heads) unless given, a rotary of a quarter of the head dim (its multi-axis sections sum to half of that)."""
+def delta_layers(r, common: dict) -> dict:
+    """A full-attention layer every fourth, the others Gated DeltaNet with heads like the attention's (a key head per
+    two value heads) unless given (Qwen3.5 and Qwen3-Next)."""
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(r.num_hidden_layers)]
-    rotary = r.head_dim // 4
     linear_dim = r.linear_head_dim or r.head_dim
     return dict(common, layer_types=types, linear_num_key_heads=r.linear_num_key_heads or r.num_key_value_heads,
                 linear_num_value_heads=r.linear_num_value_heads or r.num_attention_heads,
-                linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim, linear_conv_kernel_dim=4,
+                linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim, linear_conv_kernel_dim=4)
+
+
+def random_config(r, common: dict) -> dict:
+    """A tiny Qwen3.5: delta_layers, a rotary of a quarter of the head dim (its multi-axis sections sum to half of
+    that)."""
+    rotary = r.head_dim // 4
+    return dict(delta_layers(r, common),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                  "mrope_section": [rotary // 2 - rotary // 4, rotary // 4, 0],
                                  "mrope_interleaved": True})

@@ -2,17 +2,14 @@
 by 1 + weight, q/k norms, partial rotary), with the Gated DeltaNet's projections fused per key head (split at load
 into Qwen3.5's four) and a mixture of experts whose every token also runs a shared expert, scaled by a sigmoid gate."""
 from pipeline.model.archs import Arch, Attention, Experts, GatedDeltaNet, Norms
+from pipeline.model.archs.qwen3_5_text import delta_layers
 from pipeline.model.archs.qwen3_moe import dense_layers
 
 
 def random_config(r, common: dict) -> dict:
-    """A tiny Qwen3-Next: a full-attention layer every fourth, GDN heads like the attention's unless given; 8 experts
-    (top 2) and a shared expert on every layer but the second, which stays dense (both MLP kinds are built)."""
-    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(r.num_hidden_layers)]
-    linear_dim = r.linear_head_dim or r.head_dim
-    return dict(common, layer_types=types, linear_num_key_heads=r.linear_num_key_heads or r.num_key_value_heads,
-                linear_num_value_heads=r.linear_num_value_heads or r.num_attention_heads,
-                linear_key_head_dim=linear_dim, linear_value_head_dim=linear_dim, linear_conv_kernel_dim=4,
+    """A tiny Qwen3-Next: Qwen3.5's delta_layers; 8 experts (top 2) and a shared expert on every layer but the second,
+    which stays dense (both MLP kinds are built)."""
+    return dict(delta_layers(r, common),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])
