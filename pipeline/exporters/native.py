@@ -86,6 +86,9 @@ def export(ctx) -> dict:
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
+    if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch":  # runs our kernels
+        from pipeline.model.tied_head import store_tied_once
+        info.update(store_tied_once(module.model))
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, v(ctx.cfg.export.logits_mode))

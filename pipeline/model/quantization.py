@@ -197,7 +197,8 @@ def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = Fal
     if tied and schemes_in_use(q) and not retie:
         # quantize the two separately: they take different schemes
         head.weight = nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
-    report = {"linear": v(q.linear), "embedding": emb, "lm_head": head_scheme(q)[0], "algorithm": algorithm,
+    report = {"parameters": sum(p.numel() for p in model.parameters()),  # tied counted once (the file's bits/weight)
+              "linear": v(q.linear), "embedding": emb, "lm_head": head_scheme(q)[0], "algorithm": algorithm,
               "tied_in_model": tied, "retied": False, "linear_layers": 0, "embedding_layers": 0, "by_scheme": {}}
     plan = linear_plan(model, q, retie)
     # one module at a time, its float weight kept only until its error is measured: never a second copy of the model

@@ -19,6 +19,15 @@ def _entry_bytes(path: str | None) -> int | None:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
+def _tied(m: dict) -> str:
+    """How the program holds a tied embedding (export's record), for the bits/weight line."""
+    info = next((s.get("metrics") or {} for s in m["stages"] if s["name"] == "export"), {})
+    if "tied_head" not in info:
+        return ""
+    return "; the tied embedding stored once (llmpipe::tied_head)" if info["tied_head"] else \
+        f"; the tied embedding not shared ({info['tied_head_why']})"
+
+
 def print_summary(m: dict) -> None:
     print()
     print(f"recipe {m['recipe']}  build {m['build_hash']}  status {m['status']}  {m['seconds']:.1f}s")
@@ -36,6 +45,10 @@ def print_summary(m: dict) -> None:
         print(f"  quantized weights {w['quantized']} ({w['carried']} carrying the source's own grid), re-quantization "
               f"cost: relative RMS {w['requantized_rel_rms_mean']:.3g} mean, {w['rel_rms_max']:.3g} max")
     lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
+    params = (quant or {}).get("metrics", {}).get("parameters")
+    if lower and params and lower["metrics"].get("pte_bytes"):
+        print(f"  program {_size(lower['metrics']['pte_bytes'])}: {lower['metrics']['pte_bytes'] * 8 / params:.2f} "
+              f"bits/weight over {params / 1e6:.1f}M parameters{_tied(m)}")
     if lower:
         mt = lower["metrics"]
         print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}"

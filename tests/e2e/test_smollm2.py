@@ -82,3 +82,17 @@ def test_huge_pages_hold_the_weights_and_change_no_token(smollm2_default):
     assert off["huge_pages_mib"] == 0
     if _collapse_supported():  # the default build's packed weights are ~100 MiB
         assert on["huge_pages_mib"] > 50, on["huge_pages_mib"]
+
+
+def test_the_default_program_stores_the_tied_embedding_once(smollm2_default):
+    """SmolLM2 ties its lm_head to the 49,152 x 576 embedding: the file holds those int8 values once, and the summary
+    prints the file's bits/weight."""
+    import torch
+    m = smollm2_default
+    module = torch.load(stage_path(m, "quantize") / "module.pt", weights_only=False)
+    table = module.model.get_input_embeddings().weight.qdata.numpy().tobytes()
+    del module
+    pte = (stage_path(m, "lower") / "model.pte").read_bytes()
+    assert pte.count(table) == 1
+    line = next(ln for ln in m["stdout"].splitlines() if "bits/weight" in ln)
+    assert "stored once" in line and float(line.split(": ")[1].split()[0]) < 6.1, line

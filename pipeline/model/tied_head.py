@@ -1,0 +1,87 @@
+"""A tied model's lm_head over the embedding's own int8 table, so the program stores that table once.
+
+XNNPACK serializes a delegated linear's weight into its own payload: a tied lm_head that runs there is a second copy
+of the embedding (1.68 bits/weight on SmolLM2, over 4 on gemma3). Where the quantize stage re-tied the head to an
+8-bit per-row embedding, export (`export.store_tied_once`) swaps the head for `llmpipe::tied_head` over the same
+int8 values (native/src/kernels/tied_head_kernel.cpp); the emitter keeps one constant for the two readers, because it
+stores constants by content.
+
+    llmpipe::tied_head(x [..., D] fp32, qweight [V, D] int8, scales [V] fp32) -> [..., V]
+    out[..., v] = scales[v] * sum_d x[..., d] * qweight[v, d]   (fp32 activations, as an 8-bit weight-only linear)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.model.attention import define_op
+
+NAMESPACE, OP = "llmpipe", "tied_head"
+QUALNAME = f"{NAMESPACE}::{OP}"
+ROWS_AT_ONCE = 8192  # the twin dequantizes this many rows at a time, never the whole table
+
+
+def tied_head_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.shape[-1] != qweight.shape[1]:
+        raise ValueError(f"{QUALNAME}: qweight must be int8 [V, D] and x [..., D], got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}, x {tuple(x.shape)}")
+    V = qweight.shape[0]
+    if scales.numel() != V:
+        raise ValueError(f"{QUALNAME}: scales must hold {V} values (one per row), got {tuple(scales.shape)}")
+    xf, s = x.float(), scales.reshape(-1).float()
+    out = xf.new_empty(*x.shape[:-1], V)
+    for r in range(0, V, ROWS_AT_ONCE):
+        w = qweight[r:r + ROWS_AT_ONCE].float()
+        out[..., r:r + ROWS_AT_ONCE] = (xf @ w.T) * s[r:r + ROWS_AT_ONCE]
+    return out
+
+
+def _define() -> None:
+    globals()["_LIB"] = define_op(NAMESPACE, OP, "Tensor x, Tensor qweight, Tensor scales", "a", tied_head_ref,
+                                  lambda x, qweight, scales: x.new_empty(*x.shape[:-1], qweight.shape[0],
+                                                                         dtype=torch.float32))
+
+
+if not hasattr(getattr(torch.ops, NAMESPACE), OP):
+    _define()
+
+
+class TiedHead(nn.Module):
+    """The lm_head as llmpipe::tied_head over the embedding's int8 values (the same tensor) and its row scales."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales.reshape(-1).float().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llmpipe.tied_head(x.float(), self.qweight, self.scales).to(x.dtype)
+
+
+def shared_table(model: nn.Module):
+    """The tied 8-bit per-row table (torchao's int weight) the embedding and lm_head share, or None with the reason."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None or head.weight is not embed.weight:
+        return None, "the lm_head takes a scheme of its own (quantize.lm_head), so it is quantized apart"
+    w = embed.weight
+    if getattr(w, "target_dtype", None) != torch.int8 or not hasattr(w, "qdata"):
+        return None, "the shared weight is not 8-bit (tied_head reads int8 rows)"
+    if tuple(w.block_size) != (1, w.qdata.shape[1]):
+        return None, f"the shared weight is not quantized per row (block size {tuple(w.block_size)})"
+    if w.zero_point is not None and bool((w.zero_point != 0).any()):
+        return None, "the shared weight has zero points (tied_head is symmetric)"
+    if getattr(w, "activation_quantization", None) is not None:
+        return None, "the lm_head quantizes its activations"
+    return w, None
+
+
+def store_tied_once(model: nn.Module) -> dict:
+    """Swap a re-tied 8-bit lm_head for TiedHead over the embedding's table; returns what was done (nothing for a
+    model that does not tie)."""
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return {}
+    w, why = shared_table(model)
+    if w is None:
+        return {"tied_head": False, "tied_head_why": why}
+    model.set_output_embeddings(TiedHead(w.qdata, w.scale))
+    return {"tied_head": True}
