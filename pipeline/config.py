@@ -41,7 +41,7 @@ Role = _choices("Role", list(ROLES))
 LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "8da8w", "nvfp4"])
 EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
 # the stages in build order (pipeline/stages checks its modules against it): run.until's choices
-Stage = _choices("Stage", ["download", "wrap", "quantize", "export", "lower", "verify"])
+Stage = _choices("Stage", ["download", "wrap", "calibrate", "quantize", "export", "lower", "verify"])
 # deliberately broken programs, for the gate's calibration (pipeline/model/faults.py); never in a recipe
 Fault = _choices("Fault", ["layer_permuted", "group_scale_doubled", "heads_swapped", "ring_one_short"])
 
@@ -125,6 +125,9 @@ class ModelConfig:
 class QuantAlgorithm(str, Enum):
     minmax = "minmax"   # scales from each group's min/max (torchao's affine default)
     hqq = "hqq"         # torchao's scale-only HQQ: scales fitted to the group (ExecuTorch's LLM export default)
+    # GPTQ over the calibration text's Hessians, with importance-weighted scales (pipeline/model/gptq.py; the
+    # calibrate stage measures them)
+    gptq = "gptq"
 
 
 @dataclass

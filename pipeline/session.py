@@ -23,7 +23,7 @@ from pipeline.config import v
 from pipeline.errors import PipelineError, StageError
 from pipeline.exporters import EXPORTERS
 from pipeline.report.summary import print_summary
-from pipeline.stages import ORDER, STAGES, StageContext
+from pipeline.stages import ORDER, STAGES, StageContext, with_prerequisites
 from pipeline.store import Store, outputs_digest
 from pipeline.store.files import SCHEMA_VERSION, describe_outputs, now_iso, read_manifest, stable_hash, write_json_atomic
 from pipeline.store.key import config_slice, git_commit, lineage, stage_key, tool_versions
@@ -99,6 +99,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     geometry = preflight.check(cfg, notes=fitted)  # every config problem, before any work
     for note in fitted:
         log.info("preflight chose %s", note)
+    stages = with_prerequisites(stages)  # a caller naming quantize gets calibrate too
     if cfg.run.until is not None:
         stages = tuple(stages[:stages.index(v(cfg.run.until)) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))

@@ -38,7 +38,9 @@ def _granularity(group: int):
 def _algorithm(name: str):
     from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
         IntxChooseQParamsAlgorithm)
-    return {"minmax": IntxChooseQParamsAlgorithm.AFFINE, "hqq": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY}[name]
+    # gptq: torchao lays the weight out (min-max), then pipeline/model/gptq.py replaces its values and scales
+    return {"minmax": IntxChooseQParamsAlgorithm.AFFINE, "hqq": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY,
+            "gptq": IntxChooseQParamsAlgorithm.AFFINE}[name]
 
 
 def torchao_config(scheme: str, group: int, algorithm: str = "minmax"):
@@ -184,9 +186,11 @@ def _same_kind(module: nn.Module, weight: torch.Tensor) -> nn.Module:
     return piece
 
 
-def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = False) -> dict:
+def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = False, hessians=None) -> dict:
     """Quantize a wrapped module in place; returns a report. With `source` (the model's GGUF, SourceGrid) and
-    quantize.source_grid, weights whose scheme holds the file's own grid exactly carry it instead."""
+    quantize.source_grid, weights whose scheme holds the file's own grid exactly carry it instead. With `hessians`
+    (linear name -> X^T X / n, the calibrate stage's), int linears are rounded by GPTQ (pipeline/model/gptq.py)."""
+    from pipeline.model import gptq
     model = module.model
     emb, algorithm = v(q.embedding), v(q.algorithm)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -210,17 +214,19 @@ def quantize_module(module: nn.Module, q, source=None, asymmetric_ok: bool = Fal
         steps += [(n, config) for n in names]
         report["by_scheme"][f"{scheme} g{group}"] = len(names)
         report["linear_layers"] += len(names)
-    errors, carried = {}, []
+    errors, carried, rounded = {}, [], 0
     for name, config in steps:
         original = model.get_submodule(name).weight.detach().clone()
         quantize_one(model, name, config)
+        if hessians and name in hessians:
+            rounded += gptq.apply(model.get_submodule(name), original, hessians[name])
         if retie and model.get_submodule(name) is embed:
             head.weight = embed.weight  # the float weight goes now, not after the linears
         if q.source_grid and source and carry_source_grid(model, source, name, original, asymmetric_ok):
             carried.append(name)
         errors[name] = weight_error(model.get_submodule(name).weight, original)
         del original
-    report["weights"] = {"quantized": len(steps), "carried": len(carried),
+    report["weights"] = {"quantized": len(steps), "carried": len(carried), "gptq": rounded,
                          "rel_rms_mean": _mean(errors.values()),
                          "rel_rms_max": max(errors.values(), default=0.0),
                          "requantized_rel_rms_mean": _mean(e for n, e in errors.items() if n not in carried)}

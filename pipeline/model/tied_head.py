@@ -62,7 +62,7 @@ def shared_table(model: nn.Module):
     """The tied 8-bit per-row table (torchao's int weight) the embedding and lm_head share, or None with the reason."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None or head.weight is not embed.weight:
-        return None, "the lm_head takes a scheme of its own (quantize.lm_head), so it is quantized apart"
+        return None, "the lm_head is quantized apart from the embedding (their schemes differ)"
     w = embed.weight
     if getattr(w, "target_dtype", None) != torch.int8 or not hasattr(w, "qdata"):
         return None, "the shared weight is not 8-bit (tied_head reads int8 rows)"

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import Stage
-from pipeline.stages import download, export, lower, quantize, verify, wrap
+from pipeline.stages import calibrate, download, export, lower, quantize, verify, wrap
 
-STAGES = {m.NAME: m for m in (download, wrap, quantize, export, lower, verify)}
+STAGES = {m.NAME: m for m in (download, wrap, calibrate, quantize, export, lower, verify)}
 ORDER = tuple(s.value for s in Stage)  # the schema's list (run.until's choices) is the order
 
 
@@ -40,6 +40,15 @@ def validate_order(order: tuple[str, ...] = ORDER) -> None:
         if missing:
             raise ValueError(f"stage {name!r} needs {missing} before it in {list(order)}")
         seen.add(name)
+
+
+def with_prerequisites(stages) -> tuple[str, ...]:
+    """The stages asked for and every stage they read, transitively, in ORDER."""
+    need = set(stages)
+    for name in reversed(ORDER):
+        if name in need:
+            need.update(STAGES[name].AFTER)
+    return tuple(n for n in ORDER if n in need)
 
 
 validate_order()

@@ -3,8 +3,9 @@
     python -m pipeline recipe=tiny_llama_xnnpack_8da4w
     python -m pipeline recipe=smollm2_xnnpack quantize=8da4w quantize.algorithm=hqq
 
-With quantize.smoothing, activation outliers are moved into the weights first (pipeline/model/smoothing.py).
-Writes module.pt (the quantized eager module) and quantize.json (what was quantized, how).
+With quantize.smoothing, activation outliers are moved into the weights first (pipeline/model/smoothing.py); with
+quantize.algorithm=gptq the int linears are rounded by GPTQ (pipeline/model/gptq.py). Both read what the calibrate
+stage measured. Writes module.pt (the quantized eager module) and quantize.json (what was quantized, how).
 """
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from pipeline.report.progress import spinner
 from pipeline.stages.download import SOURCE_GGUF
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "quantize", 1
-AFTER = ("download", "wrap")
-SOURCES = ("bench/corpus/calibration.txt",)  # quantize.smoothing's calibration text
+NAME, VERSION = "quantize", 2
+AFTER = ("download", "wrap", "calibrate")
 CONFIG_KEYS = ("quantize", "backend.name")  # whether a backend keeps asymmetric weights decides what is carried
 
 
@@ -30,26 +30,15 @@ def run(ctx) -> dict:
     module = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
     gguf = ctx.inputs["download"] / SOURCE_GGUF
     source = SourceGrid(gguf) if q.source_grid and gguf.exists() else None
+    calibration = torch.load(ctx.inputs["calibrate"] / "calibration.pt", weights_only=True)
     smoothing = None
     if q.smoothing is not None:
-        with spinner("smoothing: calibrate", ctx.progress):
-            smoothing = smooth_module(module, ctx.inputs["download"] / "model", q.smoothing)
+        from pipeline.model.smoothing import smooth
+        smoothing = {"alpha": q.smoothing, "linears": smooth(module.model, calibration["maxima"], q.smoothing)}
     with spinner("quantize", ctx.progress), torch.no_grad():
-        report = quantize_module(module, q, source, BACKENDS[ctx.cfg.backend.name].ASYMMETRIC_WEIGHTS)
+        report = quantize_module(module, q, source, BACKENDS[ctx.cfg.backend.name].ASYMMETRIC_WEIGHTS,
+                                 calibration["hessians"] or None)
     report["smoothing"] = smoothing
     write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))
     (ctx.out / "quantize.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-def smooth_module(module, model_dir, alpha: float) -> dict:
-    """Smooth the wrapped model's linears with maxima measured on the float model over the calibration text."""
-    from transformers import AutoTokenizer
-
-    from pipeline.fidelity import calibration_ids
-    from pipeline.model.loading import load_hf_model
-    from pipeline.model.smoothing import activation_maxima, smooth
-    sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
-    maxima = activation_maxima(load_hf_model(model_dir, exportable=True), sequences)
-    linears = smooth(module.model, maxima, alpha)
-    return {"alpha": alpha, "calibration_tokens": sum(map(len, sequences)), "linears": linears}

@@ -88,4 +88,6 @@ def test_a_smoothed_build_records_its_calibration():
     import json
     from tests.helpers import stage_path
     report = json.loads((stage_path(m, "quantize") / "quantize.json").read_text())
-    assert report["smoothing"]["alpha"] == 0.5 and report["smoothing"]["calibration_tokens"] > 0
+    assert report["smoothing"]["alpha"] == 0.5 and report["smoothing"]["linears"] > 0
+    calibration = json.loads((stage_path(m, "calibrate") / "calibration.json").read_text())
+    assert calibration["smoothing"] == 0.5 and calibration["calibration_tokens"] > 0 and calibration["hessians"] == 0
