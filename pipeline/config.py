@@ -158,6 +158,9 @@ class QuantizeConfig:
     # unchanged; pipeline/model/smoothing.py); null: off
     smoothing: Optional[float] = None
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
+    # file bits/weight the linears' schemes are chosen for (pipeline/model/allocate.py: each linear's measured KLD
+    # cost at each scheme the backend offers, the least total within the target); null: `linear` and `overrides`
+    target_bpw: Optional[float] = None
 
 
 @dataclass

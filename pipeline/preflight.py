@@ -157,6 +157,22 @@ def quantize_problems(cfg) -> Problems:
         if not any(key != "quantize.embedding" and scheme != "none" for key, _, scheme, _ in quantized_parts(q)):
             out.append(("quantize.smoothing", q.smoothing, "smooths the inputs of quantized linears: none are "
                         "quantized (quantize.linear / lm_head / overrides)"))
+    if v(q.algorithm) == "gptq" and q.source_grid:
+        out.append(("quantize.algorithm", "gptq", "rounds the weights anew: quantize.source_grid=true carries the "
+                    "file's own rounding, so choose one of the two"))
+    if q.target_bpw is not None:
+        from pipeline.model.allocate import CANDIDATES
+        if backend not in CANDIDATES:
+            out.append(("quantize.target_bpw", q.target_bpw, f"backend={backend} has no schemes to allocate: "
+                        f"allowed on {sorted(CANDIDATES)}"))
+        elif not 2 <= q.target_bpw <= 32:
+            out.append(("quantize.target_bpw", q.target_bpw, "file bits per weight: allowed 2 to 32, or null (off)"))
+        else:
+            for scheme, group in CANDIDATES[backend]:
+                why = BACKENDS[backend].refuses(scheme, group, v(cfg.export.dtype))
+                if why:
+                    out.append(("quantize.target_bpw", q.target_bpw, f"allocates {scheme} g{group}, which "
+                                f"backend={backend} refuses at export.dtype={v(cfg.export.dtype)}: {why}"))
     return out
 
 
@@ -346,6 +362,8 @@ def _source_value(m):
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 PROCESS_GIB = 0.45  # python + torch + transformers + executorch, before any model
 STAGE_PEAK = {"wrap": {"weights": 1.03},
+              # the fp32 model, and with quantize.algorithm=gptq its Hessians (an estimate: not fitted)
+              "calibrate": {"weights": 1.03, "hessians": 1.0},
               "quantize": {"weights": 1.01, "embedding": 3.63},
               "verify": {"weights": 1.8, "embedding": 3.0, "layers": 1.25, "float": 1.2, "fallback": 1.7}}
 DOWNLOAD_PEAK = {"random": {"weights": 0.97, "embedding": 0.98},   # builds and saves the model
@@ -436,13 +454,24 @@ def fallback_bytes(cfg, g: Geometry, params: int) -> int:
     return sum(n * extra(scheme, group) for n, scheme, group in module_parts(cfg, g, params))
 
 
+def hessian_bytes(cfg, g: Geometry) -> int:
+    """GPTQ's Hessians (fp32), one per distinct linear input of a dense layer: the attention's and the MLP's input,
+    o's and down's; none without quantize.algorithm=gptq."""
+    if v(cfg.quantize.algorithm) != "gptq":
+        return 0
+    shapes = g.linear_shapes()
+    widths = {n_in for name, (_, n_in) in shapes.items() if name != "lm_head"}
+    return 4 * g.num_layers * (3 * g.hidden_size ** 2 + sum(w * w for w in widths if w != g.hidden_size))
+
+
 def memory_estimate(cfg, g: Geometry) -> dict:
     """Each stage's peak RSS in bytes (stage_peak_bytes), the largest (peak_bytes), and the KV cache's bytes."""
     params = parameter_count(g)
     module = module_bytes(cfg, g, params)
     held = {"weights": params * 4 / 2**30, "module": module / 2**30,
             "embedding": g.vocab_size * g.hidden_size * 4 / 2**30, "layers": g.num_layers / 100,
-            "float": float_bytes(cfg, g, params) / 2**30, "fallback": fallback_bytes(cfg, g, params) / 2**30}
+            "float": float_bytes(cfg, g, params) / 2**30, "fallback": fallback_bytes(cfg, g, params) / 2**30,
+            "hessians": hessian_bytes(cfg, g) / 2**30}
     factors = {"download": DOWNLOAD_PEAK[v(cfg.model.source)], **STAGE_PEAK,
                **EXPORTERS[cfg.export.exporter].STAGE_PEAK}
     peaks = {stage: int((PROCESS_GIB + sum(c * held[k] for k, c in f.items())) * 2**30)

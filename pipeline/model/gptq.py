@@ -22,34 +22,39 @@ CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 def hessians(model: nn.Module, sequences: list[list[int]], names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """X^T X / n of each linear's input over uncached forwards of `model` (names: only these linears)."""
+    """X^T X / n of each linear's input over uncached forwards of `model` (names: only these linears). Linears that
+    read one tensor (q/k/v, gate/up) share one sum: measured once, stored once."""
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    owner: dict[str, str] = {}               # linear -> the linear whose sum it shares
+    live: dict[int, tuple] = {}              # this forward's inputs so far (held, so no id is reused meanwhile)
     hooks = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or (names is not None and name not in names):
             continue
 
         def hook(_, args, key=name):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            sums[key] = sums[key] + x.T @ x if key in sums else x.T @ x
-            counts[key] = counts.get(key, 0) + x.shape[0]
+            x = args[0]
+            seen = live.get(id(x))
+            if seen is not None and seen[0] is x:
+                owner.setdefault(key, seen[1])
+                return
+            live[id(x)] = (x, key)
+            flat = x.detach().reshape(-1, x.shape[-1]).float()
+            sums[key] = sums[key] + flat.T @ flat if key in sums else flat.T @ flat
+            counts[key] = counts.get(key, 0) + flat.shape[0]
         hooks.append(m.register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
             for ids in sequences:
+                live.clear()
                 model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
+        live.clear()
         for h in hooks:
             h.remove()
-    out: dict[str, torch.Tensor] = {}
-    seen: list[torch.Tensor] = []
-    for key, s in sums.items():
-        h = (s / counts[key]).float()
-        # q/k/v (and gate/up) read one input: store one tensor for them all
-        out[key] = next((t for t in seen if t.shape == h.shape and torch.equal(t, h)), h)
-        if out[key] is h:
-            seen.append(h)
+    out = {key: s.div_(counts[key]) for key, s in sums.items()}
+    out.update({key: out[first] for key, first in owner.items() if first in out})
     return out
 
 

@@ -42,8 +42,14 @@ def print_summary(m: dict) -> None:
     quant = next((s for s in m["stages"] if s["name"] == "quantize" and s.get("metrics")), None)
     w = (quant or {}).get("metrics", {}).get("weights")
     if w and w["quantized"]:
-        print(f"  quantized weights {w['quantized']} ({w['carried']} carrying the source's own grid), re-quantization "
-              f"cost: relative RMS {w['requantized_rel_rms_mean']:.3g} mean, {w['rel_rms_max']:.3g} max")
+        gptq = f", {w['gptq']} rounded by GPTQ" if w.get("gptq") else ""
+        print(f"  quantized weights {w['quantized']} ({w['carried']} carrying the source's own grid{gptq}), "
+              f"re-quantization cost: relative RMS {w['requantized_rel_rms_mean']:.3g} mean, {w['rel_rms_max']:.3g} max")
+    plan = (quant or {}).get("metrics", {}).get("plan")
+    if plan:
+        print(f"  plan for {plan['target_bpw']} bits/weight: predicted {plan['predicted_bpw']:.2f} bits/weight, KLD "
+              f"{plan['predicted_kld']:.4g} (each linear's cost alone, summed), {plan['by_scheme']}; as a recipe: "
+              f"quantize.json plan.recipe")
     lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
     params = (quant or {}).get("metrics", {}).get("parameters")
     if lower and params and lower["metrics"].get("pte_bytes"):

@@ -5,8 +5,9 @@ quantize stage, so a sweep over schemes reuses it.
 
 Over the calibration text (bench/corpus/calibration.txt, which nothing scores): the activation maxima smoothing
 divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n, taken on the
-smoothed model (pipeline/model/gptq.py). Writes calibration.pt ({"maxima", "hessians"}, either may be empty) and
-calibration.json.
+smoothed model (pipeline/model/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme the
+backend offers (pipeline/model/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may
+be empty) and calibration.json.
 """
 from __future__ import annotations
 
@@ -21,17 +22,31 @@ from pipeline.store.files import write_streaming
 NAME, VERSION = "calibrate", 1
 AFTER = ("download", "wrap")
 SOURCES = ("bench/corpus/calibration.txt",)
-CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm")
+CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm", "quantize.target_bpw", "quantize.overrides",
+               "backend.name")
 
 
 def needed(q) -> bool:
-    return q.smoothing is not None or v(q.algorithm) == "gptq"
+    return q.smoothing is not None or v(q.algorithm) == "gptq" or q.target_bpw is not None
+
+
+def planned_linears(model, q) -> list[str]:
+    """The linears quantize.target_bpw gives schemes to: every quantized linear but the lm_head and those an override
+    pins."""
+    from torch import nn
+
+    from pipeline.model import archs
+    from pipeline.model.quantization import linear_roles, override_matches
+    roles, head = linear_roles(model), model.get_output_embeddings()
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head
+            and roles.get(n) not in archs.FLOAT_ROLES
+            and not any(override_matches(o, n, roles.get(n)) for o in q.overrides)]
 
 
 def run(ctx) -> dict:
     q = ctx.cfg.quantize
     report = {"smoothing": q.smoothing, "algorithm": v(q.algorithm), "calibration_tokens": 0, "hessians": 0}
-    maxima, hessians = {}, {}
+    maxima, hessians, sensitivity = {}, {}, {}
     if needed(q):
         from transformers import AutoTokenizer
 
@@ -51,7 +66,14 @@ def run(ctx) -> dict:
                 from pipeline.model.gptq import hessians as measure
                 with spinner("calibrate: Hessians", ctx.progress):
                     hessians = measure(model, sequences)
-        report["hessians"] = len(hessians)
-    write_streaming(ctx.out / "calibration.pt", lambda f: torch.save({"maxima": maxima, "hessians": hessians}, f))
+            if q.target_bpw is not None:
+                from pipeline.model.allocate import CANDIDATES, sensitivities
+                algorithm = "hqq" if v(q.algorithm) == "gptq" else v(q.algorithm)  # GPTQ per trial would be slow
+                with spinner("calibrate: each linear's KLD cost at each scheme", ctx.progress):
+                    sensitivity = sensitivities(model, sequences, planned_linears(model, q),
+                                                CANDIDATES[v(ctx.cfg.backend.name)], algorithm)
+        report["hessians"], report["sensitivity_linears"] = len(hessians), len(sensitivity)
+    write_streaming(ctx.out / "calibration.pt", lambda f: torch.save(
+        {"maxima": maxima, "hessians": hessians, "sensitivity": sensitivity}, f))
     (ctx.out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report

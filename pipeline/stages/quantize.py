@@ -14,6 +14,7 @@ import json
 import torch
 
 from pipeline.backends import BACKENDS
+from pipeline.config import v
 from pipeline.model.quantization import quantize_module
 from pipeline.model.source_grid import SourceGrid
 from pipeline.report.progress import spinner
@@ -35,10 +36,20 @@ def run(ctx) -> dict:
     if q.smoothing is not None:
         from pipeline.model.smoothing import smooth
         smoothing = {"alpha": q.smoothing, "linears": smooth(module.model, calibration["maxima"], q.smoothing)}
+    plan = None
+    if q.target_bpw is not None:
+        from omegaconf import OmegaConf
+
+        from pipeline.model import allocate
+        plan = allocate.plan_for(module.model, q, calibration["sensitivity"], v(ctx.cfg.backend.name))
+        base = (v(q.linear), q.linear_group_size)
+        q = OmegaConf.merge(q, {"overrides": [*OmegaConf.to_container(q.overrides), *allocate.overrides(plan, base)]})
+        plan["recipe"] = allocate.snippet(plan, base)
     with spinner("quantize", ctx.progress), torch.no_grad():
         report = quantize_module(module, q, source, BACKENDS[ctx.cfg.backend.name].ASYMMETRIC_WEIGHTS,
                                  calibration["hessians"] or None)
     report["smoothing"] = smoothing
+    report["plan"] = plan
     write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))
     (ctx.out / "quantize.json").write_text(json.dumps(report, indent=2))
     return report

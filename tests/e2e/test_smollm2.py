@@ -41,7 +41,7 @@ def test_rerun_is_all_cache_hits(smollm2_default):
     r = run_cli("run.progress=false")
     assert r.returncode == 0
     m = run_manifest(r)
-    assert [s["cache"] for s in m["stages"]] == ["hit"] * 6
+    assert [s["cache"] for s in m["stages"]] == ["hit"] * 7
     assert m["pte"] == smollm2_default["pte"]
 
 

@@ -96,10 +96,10 @@ def test_exporter_changes_the_export_key_and_shares_download_wrap_quantize(built
     changed = [n for n in ORDER if config_slice(native, STAGES[n].CONFIG_KEYS) != config_slice(hf, STAGES[n].CONFIG_KEYS)]
     assert changed == ["export"]
     assert all("export" in STAGES[n].AFTER or "lower" in STAGES[n].AFTER for n in ("lower", "verify"))
-    # so the native route reuses the same download, wrap and quantize entries
+    # so the native route reuses the same download, wrap, calibrate and quantize entries
     shared = build(RECIPE, "export.exporter=native", "export.strict=true", "verify.native=true", "run.until=quantize")
-    assert [s["cache"] for s in shared["stages"]] == ["hit"] * 3
-    assert [s["key"] for s in shared["stages"]] == [s["key"] for s in built["stages"][:3]]
+    assert [s["cache"] for s in shared["stages"]] == ["hit"] * 4
+    assert [s["key"] for s in shared["stages"]] == [s["key"] for s in built["stages"][:4]]
 
 
 # the slow tier (CI builds the route unquantized, test_route_builds_and_verifies_exactly)

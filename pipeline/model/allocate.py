@@ -1,0 +1,159 @@
+"""`quantize.target_bpw`: each linear's scheme from its measured sensitivity, for the least total KLD at a file size.
+
+- Sensitivity (the calibrate stage, `sensitivities`): for each linear the plan may move and each scheme the backend
+  offers it (CANDIDATES), the KLD of the float model with that one linear quantized against the float model, over
+  positions of the calibration text (bench/corpus/calibration.txt, never scored).
+- Allocation (the quantize stage, `allocate`): every linear starts at its cheapest candidate; then, while the
+  program's predicted bits/weight stay within the target, the upgrade that saves the most KLD per extra bit is taken.
+  The predicted KLD is the sum of the chosen costs: each was measured alone, and small costs add, to first order.
+- The plan lands in quantize.json with each linear's scheme and cost, and as `quantize.overrides` a recipe can hold.
+File bits per weight: the weight's bits plus its scale's per group (XNNPACK keeps 4-bit group scales in bf16, per-row
+scales in fp32; MLX an fp16 scale and bias per group); the embedding at its scheme, the rest of the parameters fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+# (scheme, group) the allocator may give a linear, per backend, cheapest first
+CANDIDATES = {"xnnpack": (("8da4w", 32), ("8da8w", 0)),
+              "portable": (("8da4w", 32), ("8da8w", 0)),
+              "mlx": (("4w", 64), ("4w", 32), ("8w", 64), ("8w", 32))}
+SCORED_PER_SEQUENCE = 128  # positions of each calibration sequence whose logits are compared (its second half, every
+SEQUENCES = 2              # other one): the sensitivity pass runs SEQUENCES forwards a candidate, not the whole text
+
+
+def file_bits(scheme: str, group: int, n_in: int, backend: str) -> float:
+    """Bits a weight of `scheme` takes in the program file, its scale (and MLX's bias) shared by its group."""
+    from pipeline.model.quantization import SCHEMES
+    bits = SCHEMES[scheme].bits
+    if bits is None:
+        return 32.0
+    per = group if group > 0 else n_in
+    scale = 32 if backend == "mlx" else (16 if group > 0 else 32)
+    return bits + scale / per
+
+
+def _kld(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
+    logp = torch.log_softmax(logits.float(), -1)
+    return float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean())
+
+
+def sensitivities(model: nn.Module, sequences: list[list[int]], names: list[str], candidates, algorithm: str,
+                  progress=None) -> dict[str, dict[str, float]]:
+    """name -> {"scheme gGROUP": KLD with that linear alone quantized so}, on the float (smoothed) HF model."""
+    from pipeline.model.quantization import quantize_one, torchao_config
+    seqs = sequences[:SEQUENCES]
+    keep = [torch.arange(len(s) // 2, len(s), 2)[:SCORED_PER_SEQUENCE] for s in seqs]
+
+    def logits():
+        return [model(input_ids=torch.tensor([s]), use_cache=False, logits_to_keep=k).logits[0]
+                for s, k in zip(seqs, keep)]
+    with torch.no_grad():
+        ref = [torch.log_softmax(x.float(), -1) for x in logits()]
+        out = {}
+        for i, name in enumerate(names):
+            module = model.get_submodule(name)
+            original = module.weight
+            out[name] = {}
+            for scheme, group in candidates:
+                quantize_one(model, name, torchao_config(scheme, group, algorithm))
+                out[name][f"{scheme} g{group}"] = sum(_kld(r, x) for r, x in zip(ref, logits())) / len(seqs)
+                module.weight = original
+            if progress:
+                progress(i + 1, len(names))
+    return out
+
+
+def allocate(costs: dict[str, dict[str, float]], shapes: dict[str, tuple[int, int]], fixed_bits: float,
+             params: int, target_bpw: float, backend: str) -> dict:
+    """The plan: each linear's (scheme, group) for the least summed KLD within target_bpw (file bits over params,
+    `fixed_bits` being what the rest of the program takes)."""
+    options = {}
+    for name, by in costs.items():
+        n_out, n_in = shapes[name]
+        opts = []
+        for key, kld in by.items():
+            scheme, g = key.split(" g")
+            opts.append((file_bits(scheme, int(g), n_in, backend) * n_out * n_in, kld, scheme, int(g)))
+        options[name] = sorted(opts)
+    choice = {name: 0 for name in options}
+    budget = target_bpw * params - fixed_bits
+    used = sum(options[n][0][0] for n in options)
+    if used > budget:
+        raise ValueError(f"quantize.target_bpw={target_bpw}: even every linear at its cheapest candidate takes "
+                         f"{(used + fixed_bits) / params:.2f} bits/weight")
+    while True:
+        best: Optional[tuple] = None
+        for name, opts in options.items():
+            bits0, kld0 = opts[choice[name]][:2]
+            for j in range(choice[name] + 1, len(opts)):
+                extra, saved = opts[j][0] - bits0, kld0 - opts[j][1]
+                if saved > 0 and used + extra <= budget and (best is None or saved / extra > best[0]):
+                    best = (saved / extra, name, j, extra)
+        if best is None:
+            break
+        _, name, j, extra = best
+        choice[name], used = j, used + extra
+    plan = {name: {"scheme": options[name][choice[name]][2], "group_size": options[name][choice[name]][3],
+                   "kld": options[name][choice[name]][1]} for name in options}
+    return {"target_bpw": target_bpw, "predicted_bpw": (used + fixed_bits) / params,
+            "predicted_kld": math.fsum(p["kld"] for p in plan.values()), "linears": plan,
+            "by_scheme": _count(plan)}
+
+
+def _count(plan: dict) -> dict:
+    out: dict[str, int] = {}
+    for p in plan.values():
+        key = f"{p['scheme']} g{p['group_size']}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def overrides(plan: dict, base: tuple[str, int]) -> list[dict]:
+    """The plan as quantize.overrides entries (by exact name) for the linears off the base scheme."""
+    return [{"pattern": name, "scheme": p["scheme"], "group_size": p["group_size"]}
+            for name, p in plan["linears"].items() if (p["scheme"], p["group_size"]) != base]
+
+
+def snippet(plan: dict, base: tuple[str, int]) -> str:
+    """A recipe fragment that builds this plan without measuring again."""
+    lines = ["quantize:", f"  linear: {base[0]}", f"  linear_group_size: {base[1]}", "  target_bpw: null",
+             "  overrides:"]
+    lines += [f"    - {{pattern: '{o['pattern']}', scheme: {o['scheme']}, group_size: {o['group_size']}}}"
+              for o in overrides(plan, base)]
+    return "\n".join(lines)
+
+
+def plan_for(model: nn.Module, q, costs: dict, backend: str) -> dict:
+    """allocate() for a model: the planned linears' shapes, and the bits of everything else in the file (the
+    embedding at its scheme, an lm_head of its own, linears an override pins, the rest fp32)."""
+    from pipeline.config import v
+    from pipeline.model.quantization import head_scheme, linear_roles, override_matches
+    roles = linear_roles(model)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    shapes, fixed, covered = {}, 0.0, 0
+    counted = set()
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or id(w) in counted or not isinstance(m, (nn.Linear, nn.Embedding)):
+            continue
+        counted.add(id(w))
+        n_out, n_in = w.shape
+        covered += n_out * n_in
+        if name in costs:
+            shapes[name] = (n_out, n_in)
+        elif isinstance(m, nn.Embedding):
+            fixed += n_out * n_in * file_bits(v(q.embedding), q.embedding_group_size, n_in, backend)
+        elif m is head and not tied:
+            fixed += n_out * n_in * file_bits(*head_scheme(q), n_in, backend)
+        else:
+            o = next((o for o in q.overrides if override_matches(o, name, roles.get(name))), None)
+            fixed += n_out * n_in * (file_bits(v(o.scheme), o.group_size, n_in, backend) if o else 32.0)
+    params = sum(p.numel() for p in model.parameters())
+    fixed += 32.0 * max(params - covered, 0)  # norms, biases, convs: float
+    return allocate(costs, shapes, fixed, params, q.target_bpw, backend)
