@@ -3,6 +3,8 @@
     python bench/fidelity.py                                  # both models, every row below (about an hour cold)
     python bench/fidelity.py --models smollm2 --chunks 8      # one model, half the tokens
     python bench/fidelity.py --no-llama-cpp                   # our builds only
+    python bench/fidelity.py --speed --plot                   # + decode tok/s of each row, and the frontier picture
+    python bench/fidelity.py --plot-only                      # the picture of the last results, measuring nothing
 
 Figures per row (pipeline/fidelity.py, the form of llama-perplexity --kl-divergence): KLD of the engine's next-token
 distribution against the float model's (the GGUF dequantized by transformers, fp32) on the same tokens: mean,
@@ -10,8 +12,11 @@ median, 99th percentile, max; same top-1 %; RMS of delta-p; perplexity of the en
 - ours: the built program in its runtime, stepped token by token as a decode runs (not the eager module);
 - llama.cpp (`pip install -e ".[bench]"`): the model's own GGUF, and requantizations of it (Q8_0, Q4_0, Q4_K_M)
   through llama_model_quantize with requantize allowed, all scored on the same token ids.
-bits_per_weight: the file's bytes x 8 / the model's parameters. Writes outputs/bench/fidelity.json and prints one
-Markdown table per model.
+bits_per_weight: the file's bytes x 8 / the model's parameters (a tied embedding counts once, as the model holds it).
+--speed: decode tok/s at 2 threads after the same 400-token prompt (100 tokens, greedy, EOS ignored): ours in the C++
+runner, llama.cpp through llama-cpp-python, each in a process of its own. --plot: KLD against bits/weight, one point
+a row, decode speed as the colour, both models (outputs/bench/fidelity.png; docs/img/frontier.png with --docs).
+Writes outputs/bench/fidelity.json and prints one Markdown table per model.
 """
 from __future__ import annotations
 
@@ -31,12 +36,20 @@ HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quant
              "quantize.lm_head=8da8w"]
 # 4-bit linears after smoothing, the embedding 8-bit per row and re-tied as the lm_head
 SMOOTH_4BIT = ["quantize=8da4w_mixed", "quantize.overrides=[]"]
+GPTQ = ["quantize.algorithm=gptq"]
+# GPTQ with k, v and down at 8 bits (a hand-made plan: llama.cpp's Q4_K_M keeps v and half of down at 6 bits)
+KV_DOWN_8BIT = ["quantize.overrides=[{role:down,scheme:8da8w,group_size:0},{role:v,scheme:8da8w,group_size:0},"
+                "{role:k,scheme:8da8w,group_size:0}]"]
 # the lm_head alone at 4 bits in groups of 32 (its own copy; the embedding stays 8-bit): a decoded token reads the
 # head whole and the embedding one row, so the head's bits are the ones that cost speed
 HEAD_4BIT = ["quantize.lm_head=8da4w", "quantize.lm_head_group_size=32"]
 BUILDS = {
     "smollm2": {
         "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
+        "the default with GPTQ (quantize.algorithm=gptq)": GPTQ,
+        "the default with GPTQ, k + v + down 8da8w": [*GPTQ, *KV_DOWN_8BIT],
+        "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": [*GPTQ, "quantize.target_bpw=6.0"],
+        "auto at 5.0 bits (quantize.target_bpw=5.0, gptq)": [*GPTQ, "quantize.target_bpw=5.0"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
         "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT, *HEAD_4BIT],
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
@@ -59,6 +72,9 @@ BUILDS = {
     "gemma3": {
         "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": [
             "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
+        "8da4w_mixed with GPTQ": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed", *GPTQ],
+        "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed",
+                                                             *GPTQ, "quantize.target_bpw=6.0"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
         "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT,
                                                               *HEAD_4BIT],
@@ -68,7 +84,8 @@ BUILDS = {
     },
 }
 # llama.cpp's file types (llama_ftype) for llama_model_quantize
-LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}
+LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+SPEED_PROMPT, SPEED_NEW = 400, 100
 COLUMNS = ("engine", "build", "bits_per_weight", "kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1",
            "rms_dp", "ppl", "ppl_float")
 
@@ -133,12 +150,63 @@ def measure(model: str, args) -> list[dict]:
             key = f"llama.cpp {name}"
             engines[key] = llama_engine(path, args.ctx, args.threads)
             rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
+    if args.speed:
+        ids = [i for c in chunks for i in c][:SPEED_PROMPT]
+        for name, m in builds.items():
+            rows[name]["decode_tok_s"] = decode_speed("ours", m, ids, args.threads)
+        for name, path in ({} if args.no_llama_cpp else files).items():
+            rows[f"llama.cpp {name}"]["decode_tok_s"] = decode_speed("llama.cpp", path, ids, args.threads)
     t0 = time.perf_counter()
     figures = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
                     progress=lambda xs: _progress(xs, model))
     print(f"[{model}] scored {len(engines)} engines on {figures[next(iter(figures))]['tokens']} tokens "
           f"in {time.perf_counter() - t0:.0f} s", flush=True)
     return [{**rows[name], **figures[name]} for name in engines]
+
+
+def decode_speed(engine: str, what, ids: list[int], threads: int) -> float:
+    """Median decode tok/s of 3 runs after the prompt `ids` (SPEED_NEW tokens, greedy, EOS ignored)."""
+    import statistics
+
+    from compare import run_ours, run_worker
+    jobs = {"d400": (ids, SPEED_NEW)}
+    runs = [(run_ours(what, jobs, threads) if engine == "ours" else run_worker(engine, str(what), jobs, threads))
+            ["scenarios"]["d400"]["decode_tok_s"] for _ in range(3)]
+    return statistics.median(runs)
+
+
+def plot(results: dict, path: Path) -> None:
+    """KLD (log) against file bits/weight, a panel per model: ours as circles, llama.cpp as squares, decode tok/s as
+    the colour (grey where not measured)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = [m for m in results if results[m]]
+    speeds = [r["decode_tok_s"] for m in models for r in results[m] if r.get("decode_tok_s")]
+    norm = matplotlib.colors.Normalize(min(speeds, default=0), max(speeds, default=1))
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in results[model]:
+            if r["kld_mean"] <= 0 or r["bits_per_weight"] > 20:
+                continue  # the float reference, and fp32 builds, off the chart
+            color = plt.cm.viridis(norm(r["decode_tok_s"])) if r.get("decode_tok_s") else "lightgrey"
+            ax.scatter(r["bits_per_weight"], r["kld_mean"], s=70, color=color, edgecolors="black",
+                       marker="o" if r["engine"] == "ours" else "s")
+            label = r["build"] if r["engine"] != "ours" else r["build"].split(" (")[0][:28]
+            ax.annotate(label, (r["bits_per_weight"], r["kld_mean"]), fontsize=6, xytext=(4, 3),
+                        textcoords="offset points")
+        ax.set_yscale("log")
+        ax.set_xlabel("file bits / weight")
+        ax.set_ylabel("KLD mean vs the float model")
+        ax.set_title(f"{model}: circles ours, squares llama.cpp")
+        ax.grid(alpha=0.3)
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axes[0].tolist(),
+                 label="decode tok/s, 2 threads, after 400 tokens")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=130, bbox_inches="tight")
+    tmp.replace(path)
+    plt.close(fig)
 
 
 def _progress(chunks, model):
@@ -157,11 +225,13 @@ def ordered(model: str, rows: list[dict]) -> list[dict]:
 
 def table(model: str, rows: list[dict]) -> str:
     head = "| engine | build | bits/weight | KLD mean | median | p99 | max | same top-1 | RMS dp | PPL | PPL float |"
-    lines = [f"### {model}", "", head, "|" + "---|" * 11]
+    head += " decode tok/s |"
+    lines = [f"### {model}", "", head, "|" + "---|" * 12]
     for r in rows:
+        speed = f"{r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "-"
         lines.append(f"| {r['engine']} | {r['build']} | {r['bits_per_weight']:.2f} | {r['kld_mean']:.4f} | "
                      f"{r['kld_median']:.4f} | {r['kld_p99']:.3f} | {r['kld_max']:.2f} | {100 * r['same_top1']:.1f} % | "
-                     f"{100 * r['rms_dp']:.2f} % | {r['ppl']:.3f} | {r['ppl_float']:.3f} |")
+                     f"{100 * r['rms_dp']:.2f} % | {r['ppl']:.3f} | {r['ppl_float']:.3f} | {speed} |")
     return "\n".join(lines)
 
 
@@ -174,12 +244,18 @@ def main() -> None:
     ap.add_argument("--only", help="only our builds whose name contains this")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--print", action="store_true", help="print the tables of the last results, measure nothing")
+    ap.add_argument("--speed", action="store_true", help="measure each row's decode tok/s too")
+    ap.add_argument("--plot", action="store_true", help="draw the frontier (outputs/bench/fidelity.png)")
+    ap.add_argument("--plot-only", action="store_true", help="draw the frontier of the last results, measure nothing")
+    ap.add_argument("--docs", action="store_true", help="also write the picture to docs/img/frontier.png")
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "fidelity.json"
     results = json.loads(out.read_text()) if out.exists() else {}
-    if args.print:
+    if args.print or args.plot_only:
         for model in args.models.split(","):
             print(table(model, ordered(model, results.get(model, []))) + "\n")
+        if args.plot_only:
+            draw(results, args.docs)
         return
     for model in args.models.split(","):
         rows = {(r["engine"], r["build"]): r for r in results.get(model, [])}  # rows not measured now stay
@@ -188,7 +264,15 @@ def main() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
         print(table(model, ordered(model, results[model])), flush=True)
+    if args.plot:
+        draw(results, args.docs)
     print(f"\nwrote {out}")
+
+
+def draw(results: dict, docs: bool) -> None:
+    for path in [ROOT / "outputs" / "bench" / "fidelity.png"] + ([ROOT / "docs" / "img" / "frontier.png"] if docs else []):
+        plot(results, path)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -404,11 +404,8 @@ def kv_cache_bytes(cfg, g: Geometry) -> int:
 def weight_bytes(scheme: str, group: int, dtype: str) -> float:
     """Bytes a weight takes in the eager module after quantize: torchao holds 4-bit values in int8 and each group
     adds a scale and a zero point; nvfp4 packs two values a byte with an fp8 scale per 16."""
-    if scheme == "none":
-        return DTYPE_BYTES[dtype]
-    if scheme == "nvfp4":
-        return 0.5 + 1 / 16
-    return 1 + (8 / group if group else 0)
+    from pipeline.model.schemes import SCHEMES
+    return SCHEMES[scheme].module_bytes(group, DTYPE_BYTES[dtype])
 
 
 def linear_parameters(g: Geometry, params: int) -> int:

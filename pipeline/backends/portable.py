@@ -16,9 +16,8 @@ LOWERS_NON_STRICT = False  # not measured
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
     """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
     weight (an embedding's is only gathered)."""
-    if scheme == "nvfp4":
-        return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
-    return None
+    from pipeline.model.schemes import refused_by
+    return refused_by(scheme, "portable")
 
 
 def refuses_cache(mode: str, flags: dict) -> str | None:

@@ -1,7 +1,7 @@
 """Quantization schemes and how the quantize stage applies them to a wrapped module (torchao).
 
-Linears: none | 8w | 4w (weight-only) | 8da4w | 8da8w (int8 activations quantized per row at run time, int4/int8
-weights) | nvfp4 (MLX). Embeddings: none | 8w | 4w | nvfp4. Group size 0 = per output channel (per row).
+The schemes are pipeline/model/schemes.py's table (linears: none | 8w | 4w | 8da4w | 8da8w | nvfp4; embeddings:
+none | 8w | 4w | nvfp4). Group size 0 = per output channel (per row).
 Each linear takes, in this order: the lm_head knob (the output projection), the first override whose pattern
 matches its name, the `linear` scheme. Embeddings are quantized first; a tied lm_head is re-tied to the quantized
 embedding when both take the same scheme and group.
@@ -9,7 +9,6 @@ embedding when both take the same scheme and group.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -18,16 +17,9 @@ from torch import nn
 from pipeline.config import v
 from pipeline.model import archs
 from pipeline.model.geometry import from_config
+from pipeline.model.schemes import SCHEMES  # noqa: F401  (the table: pipeline/model/schemes.py)
 
 
-@dataclass(frozen=True)
-class Scheme:
-    bits: Optional[int]       # weight bits; None = not quantized
-    dynamic: bool = False     # activations quantized at run time (the program's and eager's rounding differ)
-
-
-SCHEMES = {"none": Scheme(None), "8w": Scheme(8), "4w": Scheme(4), "8da4w": Scheme(4, dynamic=True),
-           "8da8w": Scheme(8, dynamic=True), "nvfp4": Scheme(4)}
 
 
 def _granularity(group: int):

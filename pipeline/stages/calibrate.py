@@ -26,6 +26,16 @@ CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm", "quantize.target_bpw"
                "backend.name")
 
 
+def config_view(cfg) -> dict:
+    """What the entry depends on: the sensitivities depend on whether a target is set, not on its value (a sweep over
+    quantize.target_bpw measures them once), and on the overrides and the backend only then."""
+    from pipeline.store.key import config_slice
+    view = config_slice(cfg, ("quantize.smoothing", "quantize.algorithm"))
+    if cfg.quantize.target_bpw is not None:
+        view.update(config_slice(cfg, ("quantize.overrides", "backend.name")), sensitivity=True)
+    return view
+
+
 def needed(q) -> bool:
     return q.smoothing is not None or v(q.algorithm) == "gptq" or q.target_bpw is not None
 

@@ -61,7 +61,9 @@ def config_slice(cfg: DictConfig, keys) -> dict:
 
 def lineage(stage_module, cfg: DictConfig, upstream: dict, tools: dict, commit: str | None) -> dict:
     """What an entry was built from (recorded in its manifest); `stage_key` hashes all but the git commit."""
-    return {"config": config_slice(cfg, stage_module.CONFIG_KEYS), "upstream": upstream, "tools": tools,
+    view = getattr(stage_module, "config_view", None)  # a stage whose output depends on less than its keys' values
+    config = view(cfg) if view else config_slice(cfg, stage_module.CONFIG_KEYS)
+    return {"config": config, "upstream": upstream, "tools": tools,
             "source_rev": source_rev(stage_module), "git_commit": commit}
 
 

@@ -27,12 +27,8 @@ LOWERS_NON_STRICT = False  # the same: a non-strict program's values are the ten
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
     """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
     weight (an embedding's is only gathered)."""
-    from pipeline.model.quantization import SCHEMES
-    if SCHEMES[scheme].dynamic:
-        return ("allowed: ['none', '4w', '8w', 'nvfp4'] (the MLX partitioner does not take torchao's dynamic "
-                "activation quantization: choose_qparams_affine / quantize_affine / dequantize_affine stay outside "
-                "the delegate and have no out variants, so lowering fails with 'Missing out variants')")
-    return None
+    from pipeline.model.schemes import refused_by
+    return refused_by(scheme, "mlx")
 
 
 def refuses_cache(mode: str, flags: dict) -> str | None:

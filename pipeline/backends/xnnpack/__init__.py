@@ -9,7 +9,10 @@ from pipeline.config import v
 RUNTIME = "executorch"
 ASYMMETRIC_WEIGHTS = False  # its int weights are symmetric (a zero point would be dropped)
 NATIVE_RUNNER = True
-WEIGHT_ONLY_BITS = {"4w": 4, "8w": 8}
+from pipeline.model.schemes import SCHEMES, refused_by
+
+# the weight-only schemes (int weights, float activations) by their bits
+WEIGHT_ONLY_BITS = {name: s.bits for name, s in SCHEMES.items() if s.weight_only}
 # the transformers exporter's route builds a stock XnnpackPartitioner(), which leaves bf16 matmuls outside the
 # delegate on portable kernels (our own partitioner enables bf16: weight_only.partitioner)
 HANDOVER_DTYPES = ("fp32", "fp16")
@@ -29,8 +32,8 @@ log = logging.getLogger(__name__)
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
     """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
     weight (an embedding's is only gathered)."""
-    if scheme == "nvfp4":
-        return "nvfp4 is for backend=mlx only (its fp4 matmul is an MLX kernel)"
+    if refused_by(scheme, "xnnpack"):
+        return refused_by(scheme, "xnnpack")
     if scheme == "8da4w" and group % 32:
         return ("XNNPACK's blockwise 4-bit weights take groups of a multiple of 32 (its serializer asserts it): "
                 "group size 0, 32, 64, ...")

@@ -14,7 +14,7 @@ from torch import nn
 
 from pipeline.config import v
 
-BITS = {"4w": 4, "8w": 8}
+from pipeline.backends.xnnpack import WEIGHT_ONLY_BITS as BITS  # noqa: E402
 
 
 class QuantizedEmbedding(nn.Module):
