@@ -56,9 +56,25 @@ OURS = {"ours": BEST, "ours-matched": MATCHED}  # engine -> its builds
 ANCHOR = "llama.cpp-q4_0"
 Q4_0 = 2  # llama_ftype LLAMA_FTYPE_MOSTLY_Q4_0
 DECODE = 64  # tokens decoded in the depth scenarios
-# llama.cpp's AVX-512 kernels without AMX (GGML_NATIVE would turn AMX on where the CPU reports it)
-NO_AMX = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON "
-          "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON")
+# llama.cpp's ggml options for the instruction sets /proc/cpuinfo lists, AMX left off (GGML_NATIVE would turn AMX on
+# where the CPU reports it, and faults where a VM does not let a process use it); an option for a set the CPU lacks
+# (AVX-VNNI on AMD's Zen 4, say) faults the same way
+GGML_FLAGS = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx_vnni": "AVX_VNNI",
+              "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+              "avx512_bf16": "AVX512_BF16"}
+
+
+def _no_amx() -> str:
+    try:
+        cpu = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                       if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        cpu = set()
+    return " ".join(["-DGGML_NATIVE=OFF"] + [f"-DGGML_{opt}={'ON' if flag in cpu else 'OFF'}"
+                                            for flag, opt in GGML_FLAGS.items()])
+
+
+NO_AMX = _no_amx()
 
 
 def scenarios(context: int) -> dict[str, tuple[int, int]]:
@@ -146,8 +162,8 @@ def run_worker(engine: str, source: str, jobs: dict, threads: int) -> dict:
     r = subprocess.run([sys.executable, __file__, "--worker", engine, "--source", source, "--threads", str(threads)],
                        input=spec, capture_output=True, text=True, timeout=3600)
     if r.returncode == -signal.SIGILL:
-        raise RuntimeError(f"{engine} worker: illegal instruction. A llama.cpp built for this CPU's AMX tiles faults on "
-                           f"machines that do not let a process use them (seen on a VM): reinstall it with "
+        raise RuntimeError(f"{engine} worker: illegal instruction. llama.cpp was built for instructions this machine "
+                           f"does not run (AMX tiles a VM withholds, or AVX-VNNI on AMD Zen 4): reinstall it with "
                            f"CMAKE_ARGS=\"{NO_AMX}\" pip install --force-reinstall --no-deps --no-cache-dir "
                            f"llama-cpp-python==0.3.36")
     if r.returncode != 0:

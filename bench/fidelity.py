@@ -37,9 +37,8 @@ HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quant
 # 4-bit linears after smoothing, the embedding 8-bit per row and re-tied as the lm_head
 SMOOTH_4BIT = ["quantize=8da4w_mixed", "quantize.overrides=[]"]
 GPTQ = ["quantize.algorithm=gptq"]
-# GPTQ with k, v and down at 8 bits (a hand-made plan: llama.cpp's Q4_K_M keeps v and half of down at 6 bits)
-KV_DOWN_8BIT = ["quantize.overrides=[{role:down,scheme:8da8w,group_size:0},{role:v,scheme:8da8w,group_size:0},"
-                "{role:k,scheme:8da8w,group_size:0}]"]
+# the allocator free to place every linear (no override pins down_proj)
+AUTO = ["quantize.overrides=[]"]
 # the lm_head alone at 4 bits in groups of 32 (its own copy; the embedding stays 8-bit): a decoded token reads the
 # head whole and the embedding one row, so the head's bits are the ones that cost speed
 HEAD_4BIT = ["quantize.lm_head=8da4w", "quantize.lm_head_group_size=32"]
@@ -47,9 +46,9 @@ BUILDS = {
     "smollm2": {
         "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
         "the default with GPTQ (quantize.algorithm=gptq)": GPTQ,
-        "the default with GPTQ, k + v + down 8da8w": [*GPTQ, *KV_DOWN_8BIT],
-        "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": [*GPTQ, "quantize.target_bpw=6.0"],
-        "auto at 5.0 bits (quantize.target_bpw=5.0, gptq)": [*GPTQ, "quantize.target_bpw=5.0"],
+        "GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": ["quantize=8da4w_gptq"],
+        "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.0"],
+        "auto at 5.0 bits (quantize.target_bpw=5.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=5.0"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
         "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT, *HEAD_4BIT],
         "fp32": ["recipe=smollm2_custom", "quantize=none"],
@@ -63,8 +62,7 @@ BUILDS = {
                                    "quantize.embedding=8w", "quantize.embedding_group_size=32",
                                    "quantize.source_grid=true"],
         "8w weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w"],
-        "8w hqq weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w",
-                                                                      "quantize.algorithm=hqq"],
+        "8w hqq weight-only per channel, 8-bit embedding = lm_head (smollm2_8w_hqq)": ["recipe=smollm2_8w_hqq"],
         "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
             "recipe=llama_mlx_int4", "quantize.embedding=8w", "quantize.lm_head=8w", "quantize.lm_head_group_size=32",
             "quantize.source_grid=true"],
@@ -73,8 +71,7 @@ BUILDS = {
         "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": [
             "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
         "8da4w_mixed with GPTQ": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed", *GPTQ],
-        "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed",
-                                                             *GPTQ, "quantize.target_bpw=6.0"],
+        "GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_gptq"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
         "8da4w hqq smoothed, 8-bit embedding, 8da4w lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT,
                                                               *HEAD_4BIT],
@@ -132,7 +129,8 @@ def measure(model: str, args) -> list[dict]:
 
     from pipeline.fidelity import corpus_chunks, hf_logits, score
     from pipeline.model.loading import load_hf_model
-    builds = {name: build(ov) for name, ov in BUILDS[model].items() if not args.only or args.only in name}
+    only = args.only.split(",") if args.only else None
+    builds = {name: build(ov) for name, ov in BUILDS[model].items() if not only or any(o in name for o in only)}
     first = next(iter(builds.values()))
     hf = load_hf_model(first["model_dir"])
     params = sum(p.numel() for p in hf.parameters())
@@ -241,7 +239,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored")
     ap.add_argument("--chunks", type=int, default=16, help="chunks of the corpus (16 x 256 = 4096 scored tokens)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", help="only our builds whose name contains this")
+    ap.add_argument("--only", help="only our builds whose name contains one of these (comma-separated)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--print", action="store_true", help="print the tables of the last results, measure nothing")
     ap.add_argument("--speed", action="store_true", help="measure each row's decode tok/s too")

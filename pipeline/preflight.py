@@ -271,7 +271,9 @@ def geometry_problems(cfg, g: Geometry) -> Problems:
             and g.hidden_size % q.lm_head_group_size:
         out.append(("quantize.lm_head_group_size", q.lm_head_group_size, f"must divide the lm_head's in_features "
                     f"{g.hidden_size}; divisors that work: {_common_divisors([g.hidden_size])}"))
-    out += override_problems(q, g)
+    from pipeline.model.allocate import target_problems
+    out += override_problems(q, g) + target_problems(q, g, parameter_count(g), embedding_parameters(g),
+                                                     v(cfg.backend.name))
     if v(q.embedding) != "none" and q.embedding_group_size > 0 and g.hidden_size % q.embedding_group_size:
         out.append(("quantize.embedding_group_size", q.embedding_group_size,
                     f"must divide the embedding dim {g.hidden_size}; divisors that work: "

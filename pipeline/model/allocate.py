@@ -18,12 +18,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-# (scheme, group) the allocator may give a linear, per backend, cheapest first
-CANDIDATES = {"xnnpack": (("8da4w", 32), ("8da8w", 0)),
-              "portable": (("8da4w", 32), ("8da8w", 0)),
+# (scheme, group) the allocator may give a linear, per backend, cheapest first (group 0: one scale per row); a group
+# that does not divide a linear's inputs is not offered to it
+CANDIDATES = {"xnnpack": (("8da4w", 0), ("8da4w", 32), ("8da8w", 0)),
+              "portable": (("8da4w", 0), ("8da4w", 32), ("8da8w", 0)),
               "mlx": (("4w", 64), ("4w", 32), ("8w", 64), ("8w", 32))}
 # the sensitivity pass runs one forward of TOKENS calibration tokens a (linear, scheme), comparing the logits of the
-# second half: 420 forwards on SmolLM2 (210 linears, 2 schemes), ~0.3 s each at 2 threads
+# second half: 630 forwards on SmolLM2 (210 linears, 3 schemes), ~0.3 s each at 2 threads
 TOKENS = 256
 
 
@@ -76,6 +77,8 @@ def sensitivities(model: nn.Module, sequences: list[list[int]], names: list[str]
             original, out[name] = module.weight, {}
             try:
                 for scheme, group in candidates:
+                    if group and module.weight.shape[1] % group:
+                        continue
                     quantize_one(model, name, torchao_config(scheme, group, algorithm))
                     logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
                     out[name][f"{scheme} g{group}"] = _kld(ref, logits)
@@ -146,6 +149,43 @@ def snippet(plan: dict, base: tuple[str, int]) -> str:
     lines += [f"    - {{pattern: '{o['pattern']}', scheme: {o['scheme']}, group_size: {o['group_size']}}}"
               for o in overrides(plan, base)]
     return "\n".join(lines)
+
+
+def cheapest_bits(n_in: int, backend: str) -> float:
+    """File bits of the cheapest candidate the backend offers a linear of n_in inputs."""
+    return min(file_bits(s, g, n_in, backend) for s, g in CANDIDATES[backend] if not g or n_in % g == 0)
+
+
+def smallest_bpw(q, g, params: int, embedding: int, backend: str) -> float:
+    """The least file bits/weight quantize.target_bpw can reach on a geometry (preflight asks before any download):
+    each linear the plan may move at its cheapest candidate, the rest counted as plan_for counts them."""
+    from pipeline.config import v
+    from pipeline.model import archs
+    from pipeline.model.quantization import head_scheme, override_matches
+    bits, covered = embedding * file_bits(v(q.embedding), q.embedding_group_size, g.hidden_size, backend), embedding
+    for name, (n_out, n_in, role) in g.linear_specs().items():
+        o = next((o for o in q.overrides if override_matches(o, name, role)), None)
+        if name == "lm_head" and g.tie_word_embeddings:
+            continue
+        per = (file_bits(*head_scheme(q), n_in, backend) if name == "lm_head" else
+               file_bits(v(o.scheme), o.group_size, n_in, backend) if o else
+               32.0 if role in archs.FLOAT_ROLES else cheapest_bits(n_in, backend))
+        bits, covered = bits + per * n_out * n_in, covered + n_out * n_in
+    return (bits + 32.0 * max(params - covered, 0)) / params
+
+
+def target_problems(q, g, params: int, embedding: int, backend: str) -> list[tuple]:
+    """Preflight's check that the cheapest plan reaches quantize.target_bpw (its range and backend are checked
+    apart): (key, value, what is allowed)."""
+    from pipeline.config import v
+    if q.target_bpw is None or backend not in CANDIDATES or not 2 <= q.target_bpw <= 32:
+        return []
+    least = smallest_bpw(q, g, params, embedding, backend)
+    cheapest = "{} g{}".format(*CANDIDATES[backend][0])
+    return [] if least <= q.target_bpw else [("quantize.target_bpw", q.target_bpw, (
+        f"every linear the plan may move at its cheapest scheme ({cheapest}), with the embedding at "
+        f"{v(q.embedding)} and what quantize.overrides pin, takes {least:.2f} bits/weight: allowed >= "
+        f"{math.ceil(least * 100) / 100}"))]
 
 
 def plan_for(model: nn.Module, q, costs: dict, backend: str) -> dict:
