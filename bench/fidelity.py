@@ -4,6 +4,7 @@
     python bench/fidelity.py --models smollm2 --chunks 8      # one model, half the tokens
     python bench/fidelity.py --no-llama-cpp                   # our builds only
     python bench/fidelity.py --speed --plot                   # + decode tok/s of each row, and the frontier picture
+    python bench/fidelity.py --speed-only --plot              # decode tok/s of the last results' rows again
     python bench/fidelity.py --plot-only                      # the picture of the last results, measuring nothing
 
 Figures per row (pipeline/fidelity.py, the form of llama-perplexity --kl-divergence): KLD of the engine's next-token
@@ -46,7 +47,12 @@ BUILDS = {
     "smollm2": {
         "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
         "the default with GPTQ (quantize.algorithm=gptq)": GPTQ,
+        "the default, the tied table copied into XNNPACK's payload (export.store_tied_once=false)": [
+            "export.store_tied_once=false"],
+        "the default without smoothing (quantize.smoothing=null)": ["quantize.smoothing=null"],
+        "the default with GPTQ, without smoothing": [*GPTQ, "quantize.smoothing=null"],
         "GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": ["quantize=8da4w_gptq"],
+        "auto at 6.15 bits (quantize.target_bpw=6.15, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.15"],
         "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.0"],
         "auto at 5.0 bits (quantize.target_bpw=5.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=5.0"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=smollm2_custom", *SMOOTH_4BIT],
@@ -70,6 +76,8 @@ BUILDS = {
     "gemma3": {
         "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": [
             "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed"],
+        "8da4w_mixed, the tied table copied into XNNPACK's payload (export.store_tied_once=false)": [
+            "recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed", "export.store_tied_once=false"],
         "8da4w_mixed with GPTQ": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_mixed", *GPTQ],
         "GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": ["recipe=gemma3_offgraph_8da4w", "quantize=8da4w_gptq"],
         "8da4w hqq smoothed, 8-bit embedding = lm_head": ["recipe=gemma3_offgraph_8da4w", *SMOOTH_4BIT],
@@ -162,6 +170,28 @@ def measure(model: str, args) -> list[dict]:
     return [{**rows[name], **figures[name]} for name in engines]
 
 
+def remeasure_speed(model: str, rows: list[dict], args) -> list[dict]:
+    """The rows again, each with its decode tok/s measured now (ours rebuilt from the cache, llama.cpp's files)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.fidelity import corpus_chunks
+    ours = [r for r in rows if r["engine"] == "ours" and r["build"] in BUILDS[model]]
+    if not ours:
+        return rows
+    first = build(BUILDS[model][ours[0]["build"]])
+    ids = [i for c in corpus_chunks(AutoTokenizer.from_pretrained(first["model_dir"]), args.ctx, args.chunks)
+           for i in c][:SPEED_PROMPT]
+    for r in ours:
+        r["decode_tok_s"] = decode_speed("ours", build(BUILDS[model][r["build"]]), ids, args.threads)
+    if not args.no_llama_cpp:
+        src = gguf_file(first)
+        for r in rows:
+            if r["engine"] == "llama.cpp":
+                path = src if r["build"] == "own file" else requantized(src, model, r["build"])
+                r["decode_tok_s"] = decode_speed("llama.cpp", path, ids, args.threads)
+    return rows
+
+
 def decode_speed(engine: str, what, ids: list[int], threads: int) -> float:
     """Median decode tok/s of 3 runs after the prompt `ids` (SPEED_NEW tokens, greedy, EOS ignored)."""
     import statistics
@@ -243,12 +273,22 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--print", action="store_true", help="print the tables of the last results, measure nothing")
     ap.add_argument("--speed", action="store_true", help="measure each row's decode tok/s too")
+    ap.add_argument("--speed-only", action="store_true",
+                    help="measure the decode tok/s of the last results' rows again (builds cached), scoring nothing")
     ap.add_argument("--plot", action="store_true", help="draw the frontier (outputs/bench/fidelity.png)")
     ap.add_argument("--plot-only", action="store_true", help="draw the frontier of the last results, measure nothing")
     ap.add_argument("--docs", action="store_true", help="also write the picture to docs/img/frontier.png")
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "fidelity.json"
     results = json.loads(out.read_text()) if out.exists() else {}
+    if args.speed_only:
+        for model in args.models.split(","):
+            results[model] = remeasure_speed(model, results.get(model, []), args)
+            out.write_text(json.dumps(results, indent=2))
+            print(table(model, ordered(model, results[model])) + "\n", flush=True)
+        if args.plot:
+            draw(results, args.docs)
+        return
     if args.print or args.plot_only:
         for model in args.models.split(","):
             print(table(model, ordered(model, results.get(model, []))) + "\n")
