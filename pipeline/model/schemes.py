@@ -15,6 +15,11 @@ from typing import Optional
 BACKENDS = ("xnnpack", "portable", "mlx")
 
 
+# bits of scale (and bias) a backend's file keeps per group, and per row: XNNPACK keeps 4-bit group scales in bf16
+# and per-row scales in fp32; MLX an fp16 scale and an fp16 bias per group
+SCALE_BITS = {"xnnpack": (16, 32), "portable": (16, 32), "mlx": (32, 32)}
+
+
 @dataclass(frozen=True)
 class Scheme:
     name: str
@@ -36,8 +41,7 @@ class Scheme:
         if self.fp4:
             return 4 + 8 / 16
         per = group if group > 0 else n_in
-        scale = 32 if backend == "mlx" else (16 if group > 0 else 32)
-        return self.bits + scale / per
+        return self.bits + SCALE_BITS[backend][0 if group > 0 else 1] / per
 
     def module_bytes(self, group: int, float_bytes: int) -> float:
         """Bytes a weight takes in the eager quantized module: torchao holds 4-bit values in int8, and each group

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from pipeline.config import v
+from pipeline.model.schemes import SCHEMES
 
-from pipeline.backends.xnnpack import WEIGHT_ONLY_BITS as BITS  # noqa: E402
+BITS = {name: s.bits for name, s in SCHEMES.items() if s.weight_only}
 
 
 class QuantizedEmbedding(nn.Module):
