@@ -274,7 +274,8 @@ def main() -> None:
     ap.add_argument("--print", action="store_true", help="print the tables of the last results, measure nothing")
     ap.add_argument("--speed", action="store_true", help="measure each row's decode tok/s too")
     ap.add_argument("--speed-only", action="store_true",
-                    help="measure the decode tok/s of the last results' rows again (builds cached), scoring nothing")
+                    help="measure the decode tok/s of the last results' rows again, scoring nothing (a build whose "
+                         "entry no longer matches the code is rebuilt first)")
     ap.add_argument("--plot", action="store_true", help="draw the frontier (outputs/bench/fidelity.png)")
     ap.add_argument("--plot-only", action="store_true", help="draw the frontier of the last results, measure nothing")
     ap.add_argument("--docs", action="store_true", help="also write the picture to docs/img/frontier.png")

@@ -92,10 +92,11 @@ def test_a_decoder_layer_is_one_delegate_call(tiny_custom):
     report = json.loads((stage_path(tiny_custom, "lower") / "lower.json").read_text())
     layers = tiny_custom["config"]["model"]["random"]["num_hidden_layers"]
     outside = {op: b["non_delegated"] for op, b in report["by_op"].items() if b["non_delegated"] and op != "getitem"}
-    # split by each layer's attention op, plus the RoPE angles before the first layer and the lm_head after the
-    # last row's slice (once per forward)
-    assert report["delegated_subgraphs"] == layers + 3
+    # split by each layer's attention op, plus the RoPE angles before the first layer; the lm_head, tied to the
+    # 8-bit embedding, runs outside on llmpipe::tied_head over the embedding's table (once per forward)
+    assert report["delegated_subgraphs"] == layers + 2
     assert outside.pop("auto_functionalized_v2") == layers
+    assert outside.pop("llmpipe_tied_head_default") == 1
     # what stays outside is computed once per forward, before the first layer (positions, embedding, RoPE angles)
     # and one view of the positions per layer
     assert outside.pop("aten_view_copy_default") <= layers + 1

@@ -76,7 +76,7 @@ def test_a_damaged_entry_is_quarantined_and_rebuilt(out):
     pte.write_bytes(data)
     again = pipeline(out)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert caches(again) == {"download": "hit", "wrap": "hit", "quantize": "hit", "export": "hit",
+    assert caches(again) == {"download": "hit", "wrap": "hit", "calibrate": "hit", "quantize": "hit", "export": "hit",
                              "lower": "miss", "verify": caches(again)["verify"]}
     assert "is damaged (model.pte: sha256" in again.stderr
     held = ROOT / out / "cache" / ".quarantine"
