@@ -111,6 +111,12 @@ def requantized(src: Path, name: str, ftype: str) -> Path:
     return out
 
 
+def llama_files(first: dict, model: str) -> dict[str, Path]:
+    """llama.cpp's rows: the model's own GGUF and its requantizations (LLAMA_FTYPES)."""
+    src = gguf_file(first)
+    return {"own file": src, **{t: requantized(src, model, t) for t in LLAMA_FTYPES}}
+
+
 def llama_engine(path: Path, n_ctx: int, threads: int):
     """llama.cpp's logits at [first, n - 1) of a chunk (logits_all: every evaluated token keeps its row)."""
     from llama_cpp import Llama
@@ -149,18 +155,16 @@ def measure(model: str, args) -> list[dict]:
         engines[name] = program_engine(m)
         rows[name] = {"engine": "ours", "build": name, "overrides": BUILDS[model][name],
                       "bits_per_weight": Path(m["pte"]).stat().st_size * 8 / params}
-    if not args.no_llama_cpp:
-        src = gguf_file(first)
-        files = {"own file": src, **{t: requantized(src, model, t) for t in LLAMA_FTYPES}}
-        for name, path in files.items():
-            key = f"llama.cpp {name}"
-            engines[key] = llama_engine(path, args.ctx, args.threads)
-            rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
+    files = {} if args.no_llama_cpp else llama_files(first, model)
+    for name, path in files.items():
+        key = f"llama.cpp {name}"
+        engines[key] = llama_engine(path, args.ctx, args.threads)
+        rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
     if args.speed:
         ids = [i for c in chunks for i in c][:SPEED_PROMPT]
         for name, m in builds.items():
             rows[name]["decode_tok_s"] = decode_speed("ours", m, ids, args.threads)
-        for name, path in ({} if args.no_llama_cpp else files).items():
+        for name, path in files.items():
             rows[f"llama.cpp {name}"]["decode_tok_s"] = decode_speed("llama.cpp", path, ids, args.threads)
     t0 = time.perf_counter()
     figures = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
@@ -183,12 +187,10 @@ def remeasure_speed(model: str, rows: list[dict], args) -> list[dict]:
            for i in c][:SPEED_PROMPT]
     for r in ours:
         r["decode_tok_s"] = decode_speed("ours", build(BUILDS[model][r["build"]]), ids, args.threads)
-    if not args.no_llama_cpp:
-        src = gguf_file(first)
-        for r in rows:
-            if r["engine"] == "llama.cpp":
-                path = src if r["build"] == "own file" else requantized(src, model, r["build"])
-                r["decode_tok_s"] = decode_speed("llama.cpp", path, ids, args.threads)
+    files = {} if args.no_llama_cpp else llama_files(first, model)
+    for r in rows:
+        if r["engine"] == "llama.cpp" and r["build"] in files:
+            r["decode_tok_s"] = decode_speed("llama.cpp", files[r["build"]], ids, args.threads)
     return rows
 
 

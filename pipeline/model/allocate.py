@@ -151,6 +151,18 @@ def snippet(plan: dict, base: tuple[str, int]) -> str:
     return "\n".join(lines)
 
 
+def pinned_scheme(q, name: str, role: Optional[str]) -> Optional[tuple[str, int]]:
+    """The (scheme, group) of a linear the plan does not move: the first override that matches it, or none (float)
+    for a role that stays float; None for a linear the plan gives a scheme."""
+    from pipeline.config import v
+    from pipeline.model import archs
+    from pipeline.model.quantization import override_matches
+    o = next((o for o in q.overrides if override_matches(o, name, role)), None)
+    if o is not None:
+        return v(o.scheme), o.group_size
+    return ("none", 0) if role in archs.FLOAT_ROLES else None
+
+
 def cheapest_bits(n_in: int, backend: str) -> float:
     """File bits of the cheapest candidate the backend offers a linear of n_in inputs."""
     return min(file_bits(s, g, n_in, backend) for s, g in CANDIDATES[backend] if not g or n_in % g == 0)
@@ -160,16 +172,13 @@ def smallest_bpw(q, g, params: int, embedding: int, backend: str) -> float:
     """The least file bits/weight quantize.target_bpw can reach on a geometry (preflight asks before any download):
     each linear the plan may move at its cheapest candidate, the rest counted as plan_for counts them."""
     from pipeline.config import v
-    from pipeline.model import archs
-    from pipeline.model.quantization import head_scheme, override_matches
+    from pipeline.model.quantization import head_scheme
     bits, covered = embedding * file_bits(v(q.embedding), q.embedding_group_size, g.hidden_size, backend), embedding
     for name, (n_out, n_in, role) in g.linear_specs().items():
-        o = next((o for o in q.overrides if override_matches(o, name, role)), None)
         if name == "lm_head" and g.tie_word_embeddings:
             continue
-        per = (file_bits(*head_scheme(q), n_in, backend) if name == "lm_head" else
-               file_bits(v(o.scheme), o.group_size, n_in, backend) if o else
-               32.0 if role in archs.FLOAT_ROLES else cheapest_bits(n_in, backend))
+        pinned = head_scheme(q) if name == "lm_head" else pinned_scheme(q, name, role)
+        per = file_bits(*pinned, n_in, backend) if pinned else cheapest_bits(n_in, backend)
         bits, covered = bits + per * n_out * n_in, covered + n_out * n_in
     return (bits + 32.0 * max(params - covered, 0)) / params
 
@@ -192,7 +201,7 @@ def plan_for(model: nn.Module, q, costs: dict, backend: str) -> dict:
     """allocate() for a model: the planned linears' shapes, and the bits of everything else in the file (the
     embedding at its scheme, an lm_head of its own, linears an override pins, the rest fp32)."""
     from pipeline.config import v
-    from pipeline.model.quantization import head_scheme, linear_roles, override_matches
+    from pipeline.model.quantization import head_scheme, linear_roles
     roles = linear_roles(model)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
@@ -212,8 +221,7 @@ def plan_for(model: nn.Module, q, costs: dict, backend: str) -> dict:
         elif m is head and not tied:
             fixed += n_out * n_in * file_bits(*head_scheme(q), n_in, backend)
         else:
-            o = next((o for o in q.overrides if override_matches(o, name, roles.get(name))), None)
-            fixed += n_out * n_in * (file_bits(v(o.scheme), o.group_size, n_in, backend) if o else 32.0)
+            fixed += n_out * n_in * file_bits(*(pinned_scheme(q, name, roles.get(name)) or ("none", 0)), n_in, backend)
     params = sum(p.numel() for p in model.parameters())
     fixed += 32.0 * max(params - covered, 0)  # norms, biases, convs: float
     return allocate(costs, shapes, fixed, params, q.target_bpw, backend)

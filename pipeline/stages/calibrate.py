@@ -41,16 +41,15 @@ def needed(q) -> bool:
 
 
 def planned_linears(model, q) -> list[str]:
-    """The linears quantize.target_bpw gives schemes to: every quantized linear but the lm_head and those an override
-    pins."""
+    """The linears quantize.target_bpw gives schemes to: every linear but the lm_head, those an override pins and those
+    whose role stays float (allocate.pinned_scheme)."""
     from torch import nn
 
-    from pipeline.model import archs
-    from pipeline.model.quantization import linear_roles, override_matches
+    from pipeline.model.allocate import pinned_scheme
+    from pipeline.model.quantization import linear_roles
     roles, head = linear_roles(model), model.get_output_embeddings()
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head
-            and roles.get(n) not in archs.FLOAT_ROLES
-            and not any(override_matches(o, n, roles.get(n)) for o in q.overrides)]
+            and pinned_scheme(q, n, roles.get(n)) is None]
 
 
 def run(ctx) -> dict:

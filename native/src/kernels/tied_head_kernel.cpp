@@ -12,15 +12,12 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define TIED_HEAD_AVX2 1
-#endif
 
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 #include "kernels/checked_kernel.h"
+#include "kernels/simd_math.h"  // hsum; LLMPIPE_AVX2 where the build has AVX2 + FMA
 
 namespace llmrt::tied_head {
 namespace {
@@ -35,12 +32,8 @@ constexpr int64_t kBlock = 64;    // weight rows a thread takes at a time
 // 32767 * 128 each, 2^30 at most
 constexpr int64_t kChunk = 2048;
 
-#ifdef TIED_HEAD_AVX2
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+#ifdef LLMPIPE_AVX2
+using llmrt::kv::simd::hsum;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -90,7 +83,7 @@ float dot_row(const int16_t* x, const int8_t* w, int64_t D) {
     }
     sum += _mm512_reduce_add_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)));
 #endif
-#ifdef TIED_HEAD_AVX2
+#ifdef LLMPIPE_AVX2
     __m256i b = _mm256_setzero_si256();
     for (; d + 16 <= c1; d += 16) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + d)));
