@@ -15,8 +15,10 @@ median, 99th percentile, max; same top-1 %; RMS of delta-p; perplexity of the en
   through llama_model_quantize with requantize allowed, all scored on the same token ids.
 bits_per_weight: the file's bytes x 8 / the model's parameters (a tied embedding counts once, as the model holds it).
 --speed: decode tok/s at 2 threads after the same 400-token prompt (100 tokens, greedy, EOS ignored): ours in the C++
-runner, llama.cpp through llama-cpp-python, each in a process of its own. --plot: KLD against bits/weight, one point
-a row, decode speed as the colour, both models (outputs/bench/fidelity.png; docs/img/frontier.png with --docs).
+runner, llama.cpp through llama-cpp-python, each in a process of its own, the median of 5 rounds that run every row
+once (with --speed-only, --only NAME,NAME limits our rows; llama.cpp's are timed beside them). --plot: KLD against
+bits/weight, one point a row, decode speed as the colour, both models (outputs/bench/fidelity.png;
+docs/img/frontier.png with --docs).
 Writes outputs/bench/fidelity.json and prints one Markdown table per model.
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ HEAD_8BIT = ["quantize.embedding=8w", "quantize.embedding_group_size=32", "quant
 # 4-bit linears after smoothing, the embedding 8-bit per row and re-tied as the lm_head
 SMOOTH_4BIT = ["quantize=8da4w_mixed", "quantize.overrides=[]"]
 GPTQ = ["quantize.algorithm=gptq"]
+# the previous default: HQQ scales after smoothing, only down_proj at 8 bits, no calibration
+MIXED = ["quantize=8da4w_mixed"]
 # the allocator free to place every linear (no override pins down_proj)
 AUTO = ["quantize.overrides=[]"]
 # the lm_head alone at 4 bits in groups of 32 (its own copy; the embedding stays 8-bit): a decoded token reads the
@@ -45,13 +49,14 @@ AUTO = ["quantize.overrides=[]"]
 HEAD_4BIT = ["quantize.lm_head=8da4w", "quantize.lm_head_group_size=32"]
 BUILDS = {
     "smollm2": {
-        "default (python -m pipeline): 8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head": [],
-        "the default with GPTQ (quantize.algorithm=gptq)": GPTQ,
-        "the default, the tied table copied into XNNPACK's payload (export.store_tied_once=false)": [
-            "export.store_tied_once=false"],
-        "the default without smoothing (quantize.smoothing=null)": ["quantize.smoothing=null"],
-        "the default with GPTQ, without smoothing": [*GPTQ, "quantize.smoothing=null"],
-        "GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": ["quantize=8da4w_gptq"],
+        "default (python -m pipeline): 8da4w smoothed, GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": [],
+        "8da4w_gptq, K/V in fp16 (smollm2_gptq)": ["recipe=smollm2_gptq"],
+        "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": MIXED,
+        "8da4w_mixed with GPTQ (quantize.algorithm=gptq)": [*MIXED, *GPTQ],
+        "8da4w_mixed, the tied table copied into XNNPACK's payload (export.store_tied_once=false)": [
+            *MIXED, "export.store_tied_once=false"],
+        "8da4w_mixed without smoothing (quantize.smoothing=null)": [*MIXED, "quantize.smoothing=null"],
+        "8da4w_mixed with GPTQ, without smoothing": [*MIXED, *GPTQ, "quantize.smoothing=null"],
         "auto at 6.15 bits (quantize.target_bpw=6.15, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.15"],
         "auto at 6.0 bits (quantize.target_bpw=6.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.0"],
         "auto at 5.0 bits (quantize.target_bpw=5.0, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=5.0"],
@@ -69,6 +74,9 @@ BUILDS = {
                                    "quantize.source_grid=true"],
         "8w weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w"],
         "8w hqq weight-only per channel, 8-bit embedding = lm_head (smollm2_8w_hqq)": ["recipe=smollm2_8w_hqq"],
+        "8w hqq, K/V in fp16": ["recipe=smollm2_8w_hqq", "cache.kv_dtype=fp16"],
+        "8da8w hqq smoothed, 8-bit embedding = lm_head, K/V in fp16": [
+            *MIXED, "quantize.linear=8da8w", "quantize.linear_group_size=0", "quantize.overrides=[]", "cache.kv_dtype=fp16"],
         "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
             "recipe=llama_mlx_int4", "quantize.embedding=8w", "quantize.lm_head=8w", "quantize.lm_head_group_size=32",
             "quantize.source_grid=true"],
@@ -90,7 +98,7 @@ BUILDS = {
 }
 # llama.cpp's file types (llama_ftype) for llama_model_quantize
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
-SPEED_PROMPT, SPEED_NEW = 400, 100
+SPEED_PROMPT, SPEED_NEW, SPEED_ROUNDS = 400, 100, 5
 COLUMNS = ("engine", "build", "bits_per_weight", "kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1",
            "rms_dp", "ppl", "ppl_float")
 
@@ -162,10 +170,10 @@ def measure(model: str, args) -> list[dict]:
         rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
     if args.speed:
         ids = [i for c in chunks for i in c][:SPEED_PROMPT]
-        for name, m in builds.items():
-            rows[name]["decode_tok_s"] = decode_speed("ours", m, ids, args.threads)
-        for name, path in files.items():
-            rows[f"llama.cpp {name}"]["decode_tok_s"] = decode_speed("llama.cpp", path, ids, args.threads)
+        jobs = {**{name: ("ours", m) for name, m in builds.items()},
+                **{f"llama.cpp {name}": ("llama.cpp", path) for name, path in files.items()}}
+        for key, tok_s in decode_speeds(jobs, ids, args.threads).items():
+            rows[key]["decode_tok_s"] = tok_s
     t0 = time.perf_counter()
     figures = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
                     progress=lambda xs: _progress(xs, model))
@@ -179,30 +187,40 @@ def remeasure_speed(model: str, rows: list[dict], args) -> list[dict]:
     from transformers import AutoTokenizer
 
     from pipeline.fidelity import corpus_chunks
-    ours = [r for r in rows if r["engine"] == "ours" and r["build"] in BUILDS[model]]
+    only = args.only.split(",") if args.only else None
+    ours = [r for r in rows if r["engine"] == "ours" and r["build"] in BUILDS[model]
+            and (not only or any(o in r["build"] for o in only))]
     if not ours:
         return rows
-    first = build(BUILDS[model][ours[0]["build"]])
+    built = {r["build"]: build(BUILDS[model][r["build"]]) for r in ours}  # every build before any timing
+    first = next(iter(built.values()))
     ids = [i for c in corpus_chunks(AutoTokenizer.from_pretrained(first["model_dir"]), args.ctx, args.chunks)
            for i in c][:SPEED_PROMPT]
-    for r in ours:
-        r["decode_tok_s"] = decode_speed("ours", build(BUILDS[model][r["build"]]), ids, args.threads)
     files = {} if args.no_llama_cpp else llama_files(first, model)
+    jobs = {**{("ours", name): ("ours", m) for name, m in built.items()},
+            **{("llama.cpp", r["build"]): ("llama.cpp", files[r["build"]])
+               for r in rows if r["engine"] == "llama.cpp" and r["build"] in files}}
+    speeds = decode_speeds(jobs, ids, args.threads)
     for r in rows:
-        if r["engine"] == "llama.cpp" and r["build"] in files:
-            r["decode_tok_s"] = decode_speed("llama.cpp", files[r["build"]], ids, args.threads)
+        r["decode_tok_s"] = speeds.get((r["engine"], r["build"]), r.get("decode_tok_s"))
     return rows
 
 
-def decode_speed(engine: str, what, ids: list[int], threads: int) -> float:
-    """Median decode tok/s of 3 runs after the prompt `ids` (SPEED_NEW tokens, greedy, EOS ignored)."""
+def decode_speeds(jobs: dict, ids: list[int], threads: int, rounds: int = SPEED_ROUNDS) -> dict:
+    """Median decode tok/s of each job ((engine, manifest or GGUF path) by key) after the prompt `ids` (SPEED_NEW
+    tokens, greedy, EOS ignored). The runs go in rounds, one run of every job per round, so a slow spell of the
+    machine lands on every row alike instead of on the rows measured during it."""
     import statistics
 
     from compare import run_ours, run_worker
-    jobs = {"d400": (ids, SPEED_NEW)}
-    runs = [(run_ours(what, jobs, threads) if engine == "ours" else run_worker(engine, str(what), jobs, threads))
-            ["scenarios"]["d400"]["decode_tok_s"] for _ in range(3)]
-    return statistics.median(runs)
+    scenario = {"d400": (ids, SPEED_NEW)}
+    runs = {key: [] for key in jobs}
+    for _ in range(rounds):
+        for key, (engine, what) in jobs.items():
+            r = run_ours(what, scenario, threads) if engine == "ours" else run_worker(engine, str(what), scenario,
+                                                                                     threads)
+            runs[key].append(r["scenarios"]["d400"]["decode_tok_s"])
+    return {key: statistics.median(xs) for key, xs in runs.items()}
 
 
 def plot(results: dict, path: Path) -> None:

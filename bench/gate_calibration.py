@@ -24,7 +24,7 @@ FAULTS = ("layer_permuted", "group_scale_doubled", "heads_swapped")
 GOOD = {
     "smollm2": {
         "fp32 (smollm2_custom, quantize=none)": (["recipe=smollm2_custom", "quantize=none"], FAULTS),
-        "default (python -m pipeline: 8da4w_mixed, custom)": ([], FAULTS),
+        "default (python -m pipeline: 8da4w_gptq, custom)": ([], FAULTS),
         "8da4w (smollm2_custom)": (["recipe=smollm2_custom"], ("layer_permuted",)),
     },
     "gemma3": {

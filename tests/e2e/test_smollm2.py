@@ -95,4 +95,4 @@ def test_the_default_program_stores_the_tied_embedding_once(smollm2_default):
     pte = (stage_path(m, "lower") / "model.pte").read_bytes()
     assert pte.count(table) == 1
     line = next(ln for ln in m["stdout"].splitlines() if "bits/weight" in ln)
-    assert "stored once" in line and float(line.split(": ")[1].split()[0]) < 6.1, line
+    assert "stored once" in line and float(line.split(": ")[1].split()[0]) < 6.2, line
