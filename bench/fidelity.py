@@ -74,7 +74,6 @@ BUILDS = {
                                    "quantize.source_grid=true"],
         "8w weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w"],
         "8w hqq weight-only per channel, 8-bit embedding = lm_head (smollm2_8w_hqq)": ["recipe=smollm2_8w_hqq"],
-        "8w hqq, K/V in fp16": ["recipe=smollm2_8w_hqq", "cache.kv_dtype=fp16"],
         "8da8w hqq smoothed, 8-bit embedding = lm_head, K/V in fp16": [
             *MIXED, "quantize.linear=8da8w", "quantize.linear_group_size=0", "quantize.overrides=[]", "cache.kv_dtype=fp16"],
         "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
