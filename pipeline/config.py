@@ -133,8 +133,8 @@ class QuantAlgorithm(str, Enum):
 @dataclass
 class ModuleOverride:
     """Linears whose name matches `pattern` (fnmatch, e.g. '*.mlp.down_proj'), or whose `role` in the layer is this
-    one (e.g. `down`: the MLP's and every expert's output projection, whatever the architecture calls it), take
-    their own scheme. Exactly one of the two."""
+    one (e.g. `down`: the MLP's and every expert's output projection, whatever the architecture calls it; `v` also
+    takes a fused qkv, `up` a fused gate_up), take their own scheme. Exactly one of the two."""
     pattern: Optional[str] = None
     role: Optional[Role] = None
     scheme: LinearScheme = MISSING

@@ -32,7 +32,7 @@ CASES = {
                                 ["cache.kv_dtype='bf16'", "needs both custom_sdpa and custom_kv_cache"]),
     "kv dtype, mlx": (["recipe=tiny_llama_mlx", "cache.kv_dtype=fp16"], ["cache.kv_dtype='fp16'", "MLX's cache ops"]),
     "target bits below the cheapest plan": (["quantize.target_bpw=5.0"],
-                                            ["quantize.target_bpw=5.0", "8da4w g0", "5.69 bits/weight"]),
+                                            ["quantize.target_bpw=5.0", "8da4w g0", "5.88 bits/weight"]),
     "output outside outputs/": (["recipe=tiny_llama_xnnpack", "run.output_dir=/tmp/elsewhere"],
                                 ["run.output_dir", "/tmp/elsewhere", "must be inside"]),
 }

@@ -74,10 +74,11 @@ def linear_roles(model: nn.Module) -> dict[str, str]:
 
 
 def override_matches(o, name: str, role: Optional[str]) -> bool:
-    """Does quantize.overrides entry `o` take the linear `name` of `role`? (by name pattern, or by role)"""
+    """Does quantize.overrides entry `o` take the linear `name` of `role`? (by name pattern, or by role: the role
+    itself, or a fused linear holding it)"""
     if o.pattern is not None:
         return fnmatch.fnmatch(name, o.pattern)
-    return role is not None and v(o.role) == role
+    return role is not None and (v(o.role) == role or v(o.role) in archs.FUSED_ROLES.get(role, ()))
 
 
 def linear_plan(model: nn.Module, q, retie: bool) -> dict[tuple[str, int], list[str]]:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pipeline import preflight
+from pipeline.config import v
 from pipeline.archs import readme_with_table
 from pipeline.model import archs, sources
 from pipeline.model.cache_modes import CACHE_MODES, wrap
@@ -150,12 +151,18 @@ def test_sinks_twin_is_hf_eager():
 
 
 def test_role_overrides_name_each_architectures_linears():
-    """The default's `role: down` takes the MLP's and every expert's down projection; a role the architecture does
-    not have is refused with its roles."""
+    """The default's `role: down` takes the MLP's and every expert's down projection; `k` or `v` takes a fused qkv
+    (the default's k and v overrides fit phi3); a role the architecture does not have is refused with its roles."""
+    from pipeline.model.quantization import override_matches
     g = from_config(tiny_config("qwen3_moe"))
     downs = [n for n, (_, _, r) in g.linear_specs().items() if r == "down"]
     assert len(downs) == 4 * 8 and all(n.endswith("experts.%s.down_proj" % n.split(".")[-2]) for n in downs)
-    cfg = compose_cfg(*tiny_overrides("phi3"), "+quantize.overrides=[{role: q, scheme: 8da8w, group_size: 0}]")
+    phi3 = from_config(tiny_config("phi3")).linear_specs()
+    v_role = compose_cfg(*tiny_overrides("phi3"), "quantize=8da4w_gptq").quantize.overrides[1]
+    assert v(v_role.role) == "v"
+    assert {r for n, (_, _, r) in phi3.items() if override_matches(v_role, n, r)} == {"qkv"}
+    assert preflight.check(compose_cfg(*tiny_overrides("phi3"), "quantize=8da4w_gptq")) is not None
+    cfg = compose_cfg(*tiny_overrides("phi3"), "+quantize.overrides=[{role: delta_z, scheme: 8da8w, group_size: 0}]")
     with pytest.raises(Exception, match=r"has no linear of that role; its roles: \[.*'qkv'"):
         preflight.check(cfg)
 

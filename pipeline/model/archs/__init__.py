@@ -27,6 +27,9 @@ EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
          "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate")
+# the roles a fused linear holds: an override naming one of them takes the fused linear too (`v` at 8 bits puts a
+# fused qkv at 8 bits, as llama.cpp's Q4_K_M treats attn_qkv as attn_v), so a recipe's roles fit either layout
+FUSED_ROLES = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 # roles kept in float unless an override names them: a shared expert's gate is one output row (a scalar per token that
 # scales the whole shared expert), where a 4-bit step would be all of its error
 FLOAT_ROLES = ("shared_gate",)
