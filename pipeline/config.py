@@ -278,6 +278,9 @@ class RunConfig:
     output_dir: str = "outputs"               # must stay inside <project>/outputs
     progress: bool = True
     until: Optional[Stage] = None             # last stage to run (e.g. lower: build without verify)
+    # a remote stage store shared by hosts (file:///shared/dir, s3://bucket/prefix; pipeline/store/remote.py): the
+    # local cache reads through it; credentials come from the environment, never from here
+    store_url: Optional[str] = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pipeline.model.geometry import Geometry
 from pipeline.model.kv_layout import geometry_layout, ring_slots
 from pipeline.model.archs import ROLES, UnsupportedArch
 from pipeline.model.quantization import head_scheme, override_matches
+from pipeline.store.backends import redacted, url_problem
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
 Problems = list[tuple[str, object, str]]
@@ -51,6 +52,8 @@ def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optio
     problems += EXPORTERS[cfg.export.exporter].problems(cfg)
     if not is_inside_outputs(cfg.run.output_dir):
         problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
+    if cfg.run.store_url and url_problem(cfg.run.store_url):
+        problems.append(("run.store_url", redacted(cfg.run.store_url), url_problem(cfg.run.store_url)))
     if geometry is not None:
         problems += arch_problems(cfg, geometry) + geometry_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)

@@ -25,6 +25,7 @@ from pipeline.exporters import EXPORTERS
 from pipeline.report.summary import print_summary
 from pipeline.stages import ORDER, STAGES, StageContext, with_prerequisites
 from pipeline.store import Store, outputs_digest
+from pipeline.store.remote import Remote, host_name
 from pipeline.store.files import SCHEMA_VERSION, describe_outputs, now_iso, read_manifest, stable_hash, write_json_atomic
 from pipeline.store.key import config_slice, git_commit, lineage, stage_key, tool_versions
 
@@ -103,6 +104,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     if cfg.run.until is not None:
         stages = tuple(stages[:stages.index(v(cfg.run.until)) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
+    remote = Remote(cfg.run.store_url) if cfg.run.store_url else None
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"
     tools, bhash, commit = tool_versions(), build_hash(cfg), git_commit()
@@ -112,7 +114,9 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
         "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "pid": os.getpid(), "stages": [],
         "trust_remote_code": bool(cfg.model.trust_remote_code),  # off unless the recipe turns it on
         "preflight_chose": fitted, "status": "running",
+        "store_url": remote.public_url if remote else None,  # without credentials: they come from the environment
     }
+    manifest["config"]["run"]["store_url"] = manifest["store_url"]
     entries: dict[str, Path] = {}
     keys: dict[str, str] = {}
     t_start = time.perf_counter()
@@ -135,8 +139,8 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
                         record["quarantined"] = damaged
                     entry = store.lookup(name, key, upstream)  # someone else may have built it meanwhile
                     if entry is None:
-                        entry = _run_stage(store, mod, key, cfg, dict(entries), geometry, bhash, lin, rdir)
-                        record["cache"] = "miss"
+                        entry = _obtain(store, remote, mod, key, cfg, dict(entries), geometry, bhash, lin, rdir,
+                                        record)
             record.setdefault("cache", "hit")
             record.update(seconds=round(time.perf_counter() - t0, 2), status="ok", path=str(entry))
             stage_manifest = read_manifest(entry) or {}
@@ -215,6 +219,30 @@ def _link(link: Path, target: Path) -> None:
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(target)
+
+
+def _obtain(store, remote, mod, key, cfg, inputs, geometry, bhash, lin, rdir, record) -> Path:
+    """A local miss, under the key's local lock: the remote store's entry if it has one (waiting while another
+    host builds it), else built here and published there."""
+    lease = None
+    if remote is not None:
+        entry, lease = remote.obtain(store, mod.NAME, key, record)
+        if entry is not None:
+            upstream = {p: inputs[p] for p in lin["upstream"]}
+            if store.lookup(mod.NAME, key, upstream) is not None:
+                record["cache"] = "remote"
+                return entry
+            # built from other bytes of an input than ours (e.g. an input built here before the store was shared)
+            store.quarantine_damaged(mod.NAME, key, upstream)
+    try:
+        entry = _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir)
+        record.update(cache="miss", built_by=host_name())
+        if lease is not None:
+            record["remote"] = "published" if remote.publish(mod.NAME, key, entry) else "lost the race"
+        return entry
+    finally:
+        if lease is not None:
+            lease.release()
 
 
 def _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir) -> Path:

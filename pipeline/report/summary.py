@@ -31,11 +31,11 @@ def _tied(m: dict) -> str:
 def print_summary(m: dict) -> None:
     print()
     print(f"recipe {m['recipe']}  build {m['build_hash']}  status {m['status']}  {m['seconds']:.1f}s")
-    print(f"  {'stage':<9} {'cache':<5} {'seconds':>8} {'built in':>9} {'peak RSS':>10} {'size':>10}  key")
+    print(f"  {'stage':<9} {'cache':<6} {'seconds':>8} {'built in':>9} {'peak RSS':>10} {'size':>10}  key")
     for s in m["stages"]:
         built = s.get("built_seconds")
         rss = s.get("peak_rss_mib")
-        print(f"  {s['name']:<9} {s.get('cache', '-'):<5} {s.get('seconds', 0):>8.1f} "
+        print(f"  {s['name']:<9} {s.get('cache', '-'):<6} {s.get('seconds', 0):>8.1f} "
               f"{(f'{built:.1f}' if built is not None else '-'):>9} "
               f"{(f'{rss:.0f} MiB' if rss else '-'):>10} {_size(_entry_bytes(s.get('path'))):>10}  "
               f"{s['key'][:12]}{'  FAILED' if s.get('status') == 'failed' else ''}")
