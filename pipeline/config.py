@@ -281,6 +281,7 @@ class RunConfig:
     # a remote stage store shared by hosts (file:///shared/dir, s3://bucket/prefix; pipeline/store/remote.py): the
     # local cache reads through it; credentials come from the environment, never from here
     store_url: Optional[str] = None
+    store_lease_s: float = 60.0               # a remote builder's claim not renewed for this long is a dead one's
 
 
 @dataclass

@@ -4,6 +4,7 @@
     python -m pipeline.gc                  # remove it
     python -m pipeline.gc --output-dir outputs/elsewhere
     python -m pipeline.gc --verify         # fsck: hash every entry against its manifest, quarantine the damaged
+    python -m pipeline.gc --store-url s3://bucket/prefix [--dry-run]   # the same rules on a remote store
 
 Quarantined entries (cache/.quarantine/, each with a .why.json) are never removed by gc: look, then delete by hand.
 
@@ -26,7 +27,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", default="outputs", help="the outputs directory whose cache to collect")
     ap.add_argument("--verify", action="store_true",
                     help="only check: hash every entry against its manifest and quarantine the damaged ones")
+    ap.add_argument("--store-url", help="collect this remote store (run.store_url) instead of the local cache")
     args = ap.parse_args(argv)
+    if args.store_url:
+        return remote_main(args)
     if not paths.is_inside_outputs(args.output_dir):
         print(f"error: --output-dir={args.output_dir!r}: must be inside {paths.OUTPUTS_ROOT}", file=sys.stderr)
         return 2
@@ -47,6 +51,26 @@ def main(argv=None) -> int:
     verb = "would free" if args.dry_run else "freed"
     print(f"{removed} entr{'y' if removed == 1 else 'ies'}, {verb} {freed / 2**30:.2f} GiB"
           + (f"; {busy} busy, skipped" if busy else ""))
+    return 0
+
+
+def remote_main(args) -> int:
+    from pipeline.store.backends import redacted, url_problem
+    from pipeline.store.remote import Remote
+    from pipeline.store.remote_gc import collect as collect_remote, quarantined
+    why = url_problem(args.store_url)
+    if why or args.verify:
+        print(f"error: --store-url={redacted(args.store_url)!r}: {why or 'not with --verify (a fetch checks hashes)'}",
+              file=sys.stderr)
+        return 2
+    remote = Remote(args.store_url)
+    removed, freed = collect_remote(remote, STAGES, args.dry_run)
+    held = quarantined(remote)
+    if held:
+        print(f"{len(held)} quarantined entr{'y' if len(held) == 1 else 'ies'} kept under "
+              f"{remote.public_url}/.quarantine/ (delete by hand)")
+    print(f"{removed} entr{'y' if removed == 1 else 'ies'} or uploads, {'would free' if args.dry_run else 'freed'} "
+          f"{freed / 2**30:.2f} GiB in {remote.public_url}")
     return 0
 
 

@@ -104,7 +104,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     if cfg.run.until is not None:
         stages = tuple(stages[:stages.index(v(cfg.run.until)) + 1])
     store = Store(paths.project_path(cfg.run.output_dir))
-    remote = Remote(cfg.run.store_url) if cfg.run.store_url else None
+    remote = Remote(cfg.run.store_url, cfg.run.store_lease_s) if cfg.run.store_url else None
     rdir = run_dir(cfg)
     recipe = recipe or recipe_name() or "default"
     tools, bhash, commit = tool_versions(), build_hash(cfg), git_commit()
