@@ -115,6 +115,7 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
         "trust_remote_code": bool(cfg.model.trust_remote_code),  # off unless the recipe turns it on
         "preflight_chose": fitted, "status": "running",
         "store_url": remote.public_url if remote else None,  # without credentials: they come from the environment
+        "host": host_name(),
     }
     manifest["config"]["run"]["store_url"] = manifest["store_url"]
     entries: dict[str, Path] = {}

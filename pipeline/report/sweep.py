@@ -16,7 +16,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 COLUMNS = ["job", "overrides", "status", "pte_mib", "export_s", "export_peak_rss_mib", "prefill_tok_s",
-           "decode_tok_s", "runner_peak_rss_mib", "token_match", "top1", "kld", "corpus_kld", "pareto", "error"]
+           "decode_tok_s", "runner_peak_rss_mib", "token_match", "top1", "kld", "corpus_kld", "pareto",
+           "host", "built", "fetched", "wait_s", "error"]
+# host: where the job ran; built: its stages built there; fetched: taken from the remote store (run.store_url);
+# wait_s: time spent waiting on another host's build of the same entry
 # objectives of the Pareto front: smaller, faster, closer to float (the corpus KLD when every job measured it:
 # verify.fidelity_chunks; the verify prompts' KLD, 2 x 16 tokens, orders a front poorly)
 OBJECTIVES = (("pte_mib", min), ("decode_tok_s", max), ("kld", min))
@@ -26,10 +29,18 @@ def job_row(job_dir: Path) -> dict:
     row: dict[str, Any] = {c: None for c in COLUMNS}
     row["job"] = job_dir.name
     path = job_dir / "manifest.json"
+    launched = job_dir / "launcher.json"  # what a distributed launcher saw (hydra_plugins/pipeline_dask_launcher)
+    launcher = json.loads(launched.read_text()) if launched.exists() else {}
+    row["host"] = launcher.get("host")
     if not path.exists():
-        row.update(status="missing", error="no manifest (the job did not start or was killed)")
+        row.update(status="missing" if not launcher.get("error") else "failed",
+                   error=launcher.get("error") or "no manifest (the job did not start or was killed)")
         return row
     m = json.loads(path.read_text())
+    row["host"] = m.get("host") or row["host"]
+    row["built"] = sum(s.get("cache") == "miss" for s in m.get("stages", []))
+    row["fetched"] = sum(s.get("cache") == "remote" for s in m.get("stages", []))
+    row["wait_s"] = round(sum(s.get("remote_wait_s") or 0 for s in m.get("stages", [])), 1)
     row["overrides"] = " ".join(m.get("overrides") or [])
     row["status"] = m.get("status")
     if m.get("error"):

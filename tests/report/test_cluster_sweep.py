@@ -1,0 +1,132 @@
+"""Sweeps on a Dask cluster (hydra/launcher=dask) publishing to a shared remote store: a scheduler and two worker
+processes on 127.0.0.1 and moto's S3 server, each started by the test and stopped after. Each worker is a "host"
+with its own local store (hydra.launcher.output_dir=.../{host}); they share only the S3 bucket."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pipeline.paths import ROOT
+from tests.store.test_remote_store import _client, _free_port, _keys, bucket, s3  # noqa: F401  (fixtures)
+
+POINTS = ["quantize=none,8w,4w", "export.prefill_chunk=8,16"]  # 6 jobs
+
+
+def _spawn(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class Cluster:
+    """`dask scheduler` + workers on loopback. A killed worker's job fails instead of moving to another worker
+    (allowed-failures 0), and only the job it was running: the scheduler hands a worker one job at a time
+    (worker-saturation 1.0), the rest wait on the scheduler."""
+
+    def __init__(self):
+        self.port = _free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.scheduler = _spawn([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                                 "--port", str(self.port), "--dashboard-address", ":0"],
+                                {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0",
+                                 "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0"})
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    def add_worker(self, name: str) -> None:
+        self.workers[name] = _spawn([sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--host",
+                                     "127.0.0.1", "--nthreads", "1", "--nworkers", "1", "--name", name,
+                                     "--no-dashboard", "--no-nanny"], {"PIPELINE_HOST": name})
+
+    def wait_ready(self, n: int) -> None:
+        from distributed import Client
+        with Client(self.address, timeout=60) as c:
+            c.wait_for_workers(n, timeout=60)
+
+    def close(self) -> None:
+        for p in [*self.workers.values(), self.scheduler]:
+            _stop(p)
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster()
+    c.add_worker("host-1")
+    c.add_worker("host-2")
+    try:
+        c.wait_ready(2)
+        yield c
+    finally:
+        c.close()
+
+
+def _sweep(cluster: Cluster, url: str, run: str, background: bool = False):
+    args = [sys.executable, "-m", "pipeline", "-m", "recipe=tiny_llama_xnnpack", "run.progress=false",
+            "hydra/launcher=dask", f"hydra.launcher.address={cluster.address}",
+            f"hydra.launcher.output_dir='outputs/tests/cluster-{run}/{{host}}'", f"run.store_url={url}",
+            f"hydra.sweep.dir=outputs/tests/cluster-{run}/sweeps/{uuid.uuid4().hex[:6]}", *POINTS]
+    if background:
+        return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+
+
+def _report(r) -> list[dict]:
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("report: "))
+    return json.loads(Path(line.split(": ", 1)[1]).with_suffix(".json").read_text())
+
+
+def test_a_sweep_on_two_workers_publishes_each_entry_once_and_reruns_as_hits(cluster, bucket):
+    run = uuid.uuid4().hex[:8]
+    url = f"s3://{bucket}/sweep"
+    r = _sweep(cluster, url, run)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = _report(r)
+    assert len(rows) == 6 and all(row["status"] == "ok" for row in rows)
+    assert {row["host"] for row in rows} == {"host-1", "host-2"}  # both workers took jobs
+    commits = [k for k in _keys(bucket) if k.endswith("/entry.json")]
+    assert sum(row["built"] for row in rows) == len(commits)  # every entry built once, on one host
+    assert all(row["wait_s"] is not None for row in rows)
+    # the two local stores share no file: each holds what its host built or fetched
+    stores = [ROOT / "outputs" / "tests" / f"cluster-{run}" / h / "cache" for h in ("host-1", "host-2")]
+    assert all(s.is_dir() for s in stores)
+    again = _report(_sweep(cluster, url, run))
+    assert all(row["status"] == "ok" and row["built"] == 0 for row in again)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_job_fails_that_job_and_a_rerun_completes_it(cluster, bucket):
+    run = uuid.uuid4().hex[:8]
+    url = f"s3://{bucket}/sweep"
+    proc = _sweep(cluster, url, run, background=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not any(k.endswith("lease.json") and "/lower/" in k for k in _keys(bucket)):
+        time.sleep(0.2)
+    os.killpg(cluster.workers["host-1"].pid, signal.SIGKILL)  # the worker and the job it runs
+    out, err = proc.communicate(timeout=1200)
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]  # a sweep with a failed job says so
+    rows = _report(subprocess.CompletedProcess([], 1, out, err))
+    failed = [row for row in rows if row["status"] != "ok"]
+    assert len(failed) == 1 and "died mid-job" in failed[0]["error"]  # the job it ran; the other five finished
+    cluster.add_worker("host-3")
+    cluster.wait_ready(2)
+    again = _report(_sweep(cluster, url, run))
+    assert all(row["status"] == "ok" for row in again)
+    # only the failed job's own entries (the ones no finished job shares) are built again
+    assert sum(row["built"] for row in again) <= 7 and sum(row["built"] for row in again) < sum(
+        row["built"] for row in rows if row["built"])
