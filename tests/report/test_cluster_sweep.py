@@ -43,14 +43,14 @@ class Cluster:
     def __init__(self):
         self.port = _free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
-        self.scheduler = _spawn([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+        self.scheduler = _spawn([sys.executable, "-m", "dask", "scheduler", "--host", "127.0.0.1",
                                  "--port", str(self.port), "--dashboard-address", ":0"],
                                 {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0",
                                  "DASK_DISTRIBUTED__SCHEDULER__WORKER_SATURATION": "1.0"})
         self.workers: dict[str, subprocess.Popen] = {}
 
     def add_worker(self, name: str) -> None:
-        self.workers[name] = _spawn([sys.executable, "-m", "distributed.cli.dask_worker", self.address, "--host",
+        self.workers[name] = _spawn([sys.executable, "-m", "dask", "worker", self.address, "--host",
                                      "127.0.0.1", "--nthreads", "1", "--nworkers", "1", "--name", name,
                                      "--no-dashboard", "--no-nanny"], {"PIPELINE_HOST": name})
 
@@ -130,3 +130,17 @@ def test_a_worker_killed_mid_job_fails_that_job_and_a_rerun_completes_it(cluster
     # only the failed job's own entries (the ones no finished job shares) are built again
     assert sum(row["built"] for row in again) <= 7 and sum(row["built"] for row in again) < sum(
         row["built"] for row in rows if row["built"])
+
+
+def test_a_sweep_through_submitit_publishes_to_the_remote_store(bucket):
+    """SLURM's launcher (hydra-submitit-launcher) with its local executor: the jobs run as submitit processes on
+    this machine, as they would on SLURM's nodes, and share the remote store."""
+    run = uuid.uuid4().hex[:8]
+    r = subprocess.run([sys.executable, "-m", "pipeline", "-m", "recipe=tiny_llama_xnnpack", "run.progress=false",
+                        "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=20",
+                        f"run.store_url=s3://{bucket}/slurm", f"run.output_dir=outputs/tests/submitit-{run}",
+                        "quantize=none,8w"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = _report(r)
+    assert [row["status"] for row in rows] == ["ok", "ok"] and all(row["host"] for row in rows)
+    assert len([k for k in _keys(bucket) if k.endswith("/entry.json")]) == sum(row["built"] for row in rows)

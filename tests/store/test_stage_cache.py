@@ -121,7 +121,6 @@ def test_kill_9_during_a_stage_then_rerun(tmp_path):
         subprocess.run(["rm", "-rf", str(ROOT / out)])
 
 
-@pytest.mark.slow  # CI keeps kill -9 during a stage: the same rerun, without the interrupt's cleanup
 def test_ctrl_c_during_a_stage_then_rerun():
     out = f"outputs/test-sigint-{os.getpid()}"
     try:
