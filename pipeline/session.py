@@ -25,7 +25,7 @@ from pipeline.exporters import EXPORTERS
 from pipeline.report.summary import print_summary
 from pipeline.stages import ORDER, STAGES, StageContext, with_prerequisites
 from pipeline.store import Store, outputs_digest
-from pipeline.store.remote import Remote, host_name
+from pipeline.store.remote import Remote, RemoteUnreachable, host_name
 from pipeline.store.files import SCHEMA_VERSION, describe_outputs, now_iso, read_manifest, stable_hash, write_json_atomic
 from pipeline.store.key import config_slice, git_commit, lineage, stage_key, tool_versions
 
@@ -227,7 +227,10 @@ def _obtain(store, remote, mod, key, cfg, inputs, geometry, bhash, lin, rdir, re
     host builds it), else built here and published there."""
     lease = None
     if remote is not None:
-        entry, lease = remote.obtain(store, mod.NAME, key, record)
+        try:
+            entry, lease = remote.obtain(store, mod.NAME, key, record)
+        except (OSError, *RemoteUnreachable) as e:
+            raise PipelineError(f"run.store_url={remote.public_url}: cannot read the store ({e})") from None
         if entry is not None:
             upstream = {p: inputs[p] for p in lin["upstream"]}
             if store.lookup(mod.NAME, key, upstream) is not None:
@@ -239,7 +242,11 @@ def _obtain(store, remote, mod, key, cfg, inputs, geometry, bhash, lin, rdir, re
         entry = _run_stage(store, mod, key, cfg, inputs, geometry, bhash, lin, rdir)
         record.update(cache="miss", built_by=host_name())
         if lease is not None:
-            record["remote"] = "published" if remote.publish(mod.NAME, key, entry) else "lost the race"
+            try:
+                record["remote"] = "published" if remote.publish(mod.NAME, key, entry) else "lost the race"
+            except (OSError, *RemoteUnreachable) as e:  # built and cached here; the other hosts will build it too
+                record["remote"] = f"not published: {e}"
+                log.warning("stage %s: built, but not published to %s: %s", mod.NAME, remote.public_url, e)
         return entry
     finally:
         if lease is not None:

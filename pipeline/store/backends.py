@@ -145,7 +145,10 @@ class FileBackend:
 
 class S3Backend:
     def __init__(self, bucket: str, prefix: str):
+        import logging
+
         import boto3
+        logging.getLogger("botocore").setLevel(logging.WARNING)  # its INFO lines (credentials found) are noise here
         self.bucket, self.prefix = bucket, prefix
         self.s3 = boto3.client("s3")
 

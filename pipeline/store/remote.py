@@ -46,6 +46,13 @@ class RemoteDamaged(Exception):
     pass
 
 
+try:  # S3's client errors (no bucket, no access, no connection), as one type the session reports in a line
+    from botocore.exceptions import BotoCoreError, ClientError
+    RemoteUnreachable = (BotoCoreError, ClientError)
+except ImportError:
+    RemoteUnreachable = ()
+
+
 class Lease:
     """A claim on building one entry, renewed by a thread until released."""
 

@@ -223,6 +223,15 @@ def test_the_store_url_is_checked_before_any_work_and_recorded_without_secrets()
     assert "stage=" not in r.stdout + r.stderr
 
 
+def test_an_unreachable_store_is_one_clear_error():
+    r = run_cli(f"recipe={TINY}", "run.store_url=s3://no-such-bucket/x", "run.progress=false",
+                f"run.output_dir=outputs/tests/remote-{uuid.uuid4().hex[:8]}",  # a local miss asks the store
+                env={"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{_free_port()}", "AWS_ACCESS_KEY_ID": "t",
+                     "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "1"})
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "run.store_url=s3://no-such-bucket/x: cannot read the store" in r.stderr
+
+
 def test_a_file_store_serves_a_second_local_store(tmp_path):
     run = uuid.uuid4().hex[:8]
     url = f"file://{tmp_path}/shared"
