@@ -104,7 +104,8 @@ class FileBackend:
     def replace(self, key: str, data: bytes, etag: str) -> Optional[str]:
         """Overwrite an object still at version `etag`; its new etag, or None if it changed meanwhile."""
         dest = self._p(key)
-        if self.info(key) is None or self.info(key).etag != etag:
+        now = self.info(key)
+        if now is None or now.etag != etag:
             return None
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
         tmp.write_bytes(data)

@@ -129,11 +129,11 @@ class Remote:
         info = self.backend.info(f"{base}/entry.json")
         if info is None:
             return None
+        if not self.backend.delete(f"{base}/entry.json", info.etag):
+            return None  # changed meanwhile: whoever changed it judges it
         where = f".quarantine/{stage}-{key}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}.json"
         self.backend.create(where, json.dumps({"stage": stage, "key": key, "problems": problems,
                                                "found_by": self.host, "entry": c}, indent=2).encode())
-        if not self.backend.delete(f"{base}/entry.json", info.etag):
-            return None
         log.warning("remote entry %s/%s is damaged (%s): moved aside to %s; rebuilding", stage, key[:12],
                     "; ".join(problems), where)
         return where

@@ -80,6 +80,17 @@ def _keys(bucket: str) -> list[str]:
     return [o["Key"] for p in pages for o in p.get("Contents", [])]
 
 
+def _read_json(bucket: str, key: str) -> dict:
+    return json.loads(_client().get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
+def _commit_of(bucket: str, m: dict, stage: str) -> tuple[str, str, dict]:
+    """A built stage's remote entry: its folder, its entry.json's name and content (under the prefix 'ci')."""
+    rec = next(s for s in m["stages"] if s["name"] == stage)
+    folder = f"ci/{stage}/{rec['key']}"
+    return folder, f"{folder}/entry.json", _read_json(bucket, f"{folder}/entry.json")
+
+
 def _host_args(host_dir: str, url: str, *extra: str) -> list[str]:
     return [f"recipe={TINY}", f"run.output_dir=outputs/tests/{host_dir}", f"run.store_url={url}",
             "run.progress=false", *extra]
@@ -112,7 +123,7 @@ def test_two_hosts_build_each_entry_once_then_a_third_fetches_them(bucket):
     lost = [s for m in (ma, mb) for s in m["stages"] if s.get("remote") == "lost the race"]
     # every upload left is the one its commit names (a lost race's blobs are deleted)
     for c in commits:
-        upload = json.loads(_client().get_object(Bucket=bucket, Key=c)["Body"].read())["upload"]
+        upload = _read_json(bucket, c)["upload"]
         stage_dir = c.rsplit("/", 1)[0]
         assert {k.split("/")[4] for k in keys if k.startswith(f"{stage_dir}/blobs/")} == {upload}, (c, lost)
     for m in (ma, mb):
@@ -133,20 +144,17 @@ def test_a_damaged_remote_entry_is_moved_aside_rebuilt_and_never_served(bucket):
     run = uuid.uuid4().hex[:8]
     url = f"s3://{bucket}/ci"
     first = _manifest_of(_start("host-a", f"remote-{run}/a", url))
-    lower = next(s for s in first["stages"] if s["name"] == "lower")
-    commit_key = f"ci/lower/{lower['key']}/entry.json"
-    old = json.loads(_client().get_object(Bucket=bucket, Key=commit_key)["Body"].read())
-    _client().put_object(Bucket=bucket, Key=f"ci/lower/{lower['key']}/blobs/{old['upload']}/model.pte",
-                         Body=b"not the program")
+    folder, commit_key, old = _commit_of(bucket, first, "lower")
+    _client().put_object(Bucket=bucket, Key=f"{folder}/blobs/{old['upload']}/model.pte", Body=b"not the program")
     m = _manifest_of(_start("host-b", f"remote-{run}/b", url))
     rec = next(s for s in m["stages"] if s["name"] == "lower")
     assert rec["cache"] == "miss" and rec["remote"] == "published"
     assert "model.pte" in rec["remote_quarantined"][0]["problems"][0]
     aside = [k for k in _keys(bucket) if k.startswith("ci/.quarantine/lower-")]
     assert len(aside) == 1
-    why = json.loads(_client().get_object(Bucket=bucket, Key=aside[0])["Body"].read())
+    why = _read_json(bucket, aside[0])
     assert why["entry"]["upload"] == old["upload"] and why["found_by"] == "host-b"
-    new = json.loads(_client().get_object(Bucket=bucket, Key=commit_key)["Body"].read())
+    new = _read_json(bucket, commit_key)
     assert new["upload"] != old["upload"]
     assert sha256_file(Path(m["pte"])) == m["pte_sha256"] == first["pte_sha256"]  # rebuilt, the same bytes
 
@@ -180,9 +188,7 @@ def test_gc_on_the_remote_store_applies_the_local_rules(bucket):
     run = uuid.uuid4().hex[:8]
     url = f"s3://{bucket}/ci"
     m = _manifest_of(_start("host-a", f"remote-{run}/a", url))
-    export = next(s for s in m["stages"] if s["name"] == "export")
-    commit_key = f"ci/export/{export['key']}/entry.json"
-    c = json.loads(_client().get_object(Bucket=bucket, Key=commit_key)["Body"].read())
+    _, commit_key, c = _commit_of(bucket, m, "export")
     c["manifest"]["source_rev"] = "older-code"
     _client().put_object(Bucket=bucket, Key=commit_key, Body=json.dumps(c).encode())
     _client().put_object(Bucket=bucket, Key="ci/wrap/0123abcd/blobs/dead-upload/module.pt", Body=b"half")
