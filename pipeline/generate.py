@@ -66,6 +66,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.temperature <= 0:
             return int(logits.argmax())
+        probs = self.probs(logits)
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a token is drawn from (not normalized after top-k / top-p)."""
         probs = torch.softmax(logits.float() / self.temperature, -1)
         if self.top_k > 0:
             kth = torch.topk(probs, min(self.top_k, probs.numel())).values[-1]
@@ -74,25 +79,62 @@ class Sampler:
             sorted_p, order = torch.sort(probs, descending=True)
             keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # the smallest set whose mass reaches top_p
             probs = torch.zeros_like(probs).scatter(0, order, sorted_p * keep)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        return probs
 
 
 class Session:
     """A program and the tokens its cache holds; each turn feeds only what the cache does not hold yet."""
 
-    def __init__(self, program):
+    def __init__(self, program, speculation=None):
         self.program = program
         const = program.constant
         self.chunk = getattr(program, "chunk", None) or abi.ints(const(abi.MAX_SEQ_LEN))[0]
         self.context = abi.ints(const(abi.MAX_CONTEXT_LEN))[0]
         self.eos = set(abi.ints(const(abi.EOS_IDS)))
         self.held: list[int] = []
+        self.speculation = speculation
+        if speculation is not None:
+            why = why_not_speculate(program, self.chunk)
+            if not why and speculation.draft_max > self.chunk - 1:
+                why = (f"--draft-max {speculation.draft_max}: a verify step feeds the drafts after the last token, "
+                       f"in one chunk of at most {self.chunk}: at most {self.chunk - 1} drafts")
+            if why:
+                raise ValueError(f"--speculate: {why}")
+        self._verified: tuple = ()  # (start, fed, snapshot) of the last verify step
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         from pipeline.runtimes.base import run_sequence
         logits = run_sequence(self.program, ids, self.chunk, start=len(self.held))
         self.held += ids
         return logits
+
+    def verify(self, fed: list[int]) -> torch.Tensor:
+        """Feeds `fed` in one forward and returns every row's logits [len(fed), V]; keep() then says how many of
+        them the cache keeps. A recurrent state is snapshot first: it cannot be rewound."""
+        snap = self.program.snapshot()
+        start = len(self.held)
+        positions = torch.arange(start, start + len(fed), dtype=torch.long)
+        rows = self.program(torch.tensor([fed], dtype=torch.long), positions, all_rows=True)[0].float()
+        self.held += fed
+        self._verified = (start, fed, snap)
+        return rows
+
+    def keep(self, m: int) -> None:
+        """After verify(fed): the cache keeps fed[:m] and drops the rest."""
+        start, fed, snap = self._verified
+        if m == len(fed):
+            return
+        cache = getattr(self.program, "cache", None)
+        del self.held[start:]
+        if snap is not None:  # back to the state before the verify, then the kept tokens again
+            self.program.restore(snap)
+            if cache is not None and cache.length > start:  # its attention caches too (no recurrent state of its own)
+                cache.rewind(start)
+            self._feed(fed[:m])
+            return
+        if cache is not None:
+            cache.rewind(start + m)
+        self.held += fed[:m]  # an in-graph cache masks what lies past the next step's positions
 
     def generate(self, ids: list[int], max_new: int, sample: Callable[[torch.Tensor], int],
                  on_token: Callable[[int], None] = lambda t: None) -> dict:
@@ -106,9 +148,12 @@ class Session:
         t0 = time.perf_counter()
         token = sample(self._feed(ids[len(self.held):]))
         t1 = time.perf_counter()
-        out, stop = [token], "max_new_tokens"
+        out, stop, spec = [token], "max_new_tokens", None
         on_token(token)
-        while True:
+        if self.speculation is not None:
+            more, stop, spec = self.speculation.decode(self, token, max_new, sample, on_token)
+            out += more
+        while spec is None:
             if token in self.eos:
                 stop = "eos"
                 break
@@ -120,13 +165,33 @@ class Session:
             on_token(token)
         t2 = time.perf_counter()
         decoded = len(out) - 1
-        return {"prompt_ids": ids, "generated_ids": out, "stop_reason": stop, "prompt_tokens_fed": fed,
-                "ttft_ms": round((t1 - t0) * 1e3, 2), "prefill_tok_s": round(fed / max(t1 - t0, 1e-9), 1),
-                "decode_tok_s": round(decoded / (t2 - t1), 1) if decoded else None}
+        stats = {"prompt_ids": ids, "generated_ids": out, "stop_reason": stop, "prompt_tokens_fed": fed,
+                 "ttft_ms": round((t1 - t0) * 1e3, 2), "prefill_tok_s": round(fed / max(t1 - t0, 1e-9), 1),
+                 "decode_tok_s": round(decoded / (t2 - t1), 1) if decoded else None}
+        if spec is not None:
+            stats["speculation"] = spec
+        self.last = stats
+        return stats
 
     def reset(self) -> None:
         self.program.reset()
         self.held = []
+
+
+def why_not_speculate(program, chunk: int) -> str:
+    """Why speculation cannot run on this program ("" when it can): a verify step needs every row's logits, a
+    chunk of at least two tokens, and a rollback the runtime can do."""
+    if not hasattr(program, "rows_logits"):
+        return "the transformers route's prefill/decode pair decodes one token a call: build with the runner layout"
+    if not program.rows_logits:
+        return ("this program returns the last row's logits only (export.logits_mode=last); speculation verifies "
+                "a draft in one forward and needs every row's: rebuild with export.logits_mode=selected (or full)")
+    if chunk < 2:
+        return f"the program's prefill chunk is {chunk} token: a draft needs a chunk of 2 or more (export.prefill_chunk)"
+    if not program.can_snapshot:
+        return ("this program keeps its recurrent state inside the program (cache.mode=custom), where this runtime "
+                "cannot roll it back: build with cache.mode=offgraph")
+    return ""
 
 
 class Text:
@@ -192,15 +257,43 @@ def report(stats: dict, err=sys.stderr) -> None:
     print(f"\n[stats] prompt {len(stats['prompt_ids'])} tokens ({stats['prompt_tokens_fed']} fed), generated "
           f"{len(stats['generated_ids'])} ({stats['stop_reason']}); TTFT {stats['ttft_ms']} ms, prefill "
           f"{stats['prefill_tok_s']} tok/s, decode {decode}", file=err)
+    spec = stats.get("speculation")
+    if spec:
+        vs = (f"; {spec['speedup']}x the plain run's {spec['plain_decode_tok_s']} tok/s"
+              f"{'' if spec['identical'] is None else ', tokens identical' if spec['identical'] else ', tokens differ'}"
+              if "speedup" in spec else "")
+        print(f"[speculate] drafted {spec['drafted']}, accepted {spec['accepted']} ({spec['acceptance']}) in "
+              f"{spec['verify_steps']} verify steps{vs}", file=err)
     print("STATS_JSON: " + json.dumps(stats), file=err, flush=True)
 
 
 def turn(session: Session, text: Text, messages: list[dict], args, sample, history: list[int] = ()) -> dict:
     stream = Stream(text, session.eos)
-    stats = session.generate(text.prompt_ids(messages, history), args.max_new_tokens, sample, stream)
+    ids = text.prompt_ids(messages, history)
+    stats = session.generate(ids, args.max_new_tokens, sample, stream)
     stats["text"] = stream.shown
+    if session.speculation is not None and args.compare_plain:
+        plain = compare_plain(session, ids, args)
+        stats["speculation"].update(plain)
     report(stats)
     return stats
+
+
+def compare_plain(session: Session, ids: list[int], args) -> dict:
+    """The same turn again without speculation, from an empty cache: its decode speed, and for a greedy run whether
+    its tokens are the same (they must be). The session's cache holds the plain run afterwards."""
+    first = dict(session.last)
+    speculation, session.speculation = session.speculation, None
+    try:
+        session.reset()
+        plain = session.generate(ids, args.max_new_tokens, Sampler(args.temperature, args.top_k, args.top_p,
+                                                                  args.seed))
+    finally:
+        session.speculation = speculation
+    rate = plain["decode_tok_s"]
+    return {"plain_decode_tok_s": rate,
+            "speedup": round(first["decode_tok_s"] / rate, 2) if rate and first["decode_tok_s"] else None,
+            "identical": plain["generated_ids"] == first["generated_ids"] if args.temperature <= 0 else None}
 
 
 def interactive(session: Session, text: Text, args, sample) -> None:
@@ -244,6 +337,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int)
+    ap.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                    help="ngram: prompt-lookup speculative decoding (drafts from the context, verified in one forward; "
+                         "needs a program built with export.logits_mode=selected or full)")
+    ap.add_argument("--draft-max", type=int, default=6, help="most tokens drafted a step (< the program's chunk)")
+    ap.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram a draft is matched on")
+    ap.add_argument("--ngram-max", type=int, default=4, help="longest n-gram a draft is matched on")
+    ap.add_argument("--compare-plain", action="store_true",
+                    help="with --speculate: run each turn again without it and report the speedup")
     ap.add_argument("--kv-max-capacity", type=int, help="runtime-owned cache: positions (default: the context)")
     ap.add_argument("--kv-initial-capacity", type=int, help="runtime-owned cache: flat pools start here")
     ap.add_argument("--kv-windows", help="runtime-owned cache: a window pattern, e.g. 512,512,0 (0 = flat)")
@@ -276,9 +377,17 @@ def main(argv=None) -> int:
     if not pte.exists():
         print(f"error: {pte}: no such program", file=sys.stderr)
         return 1
+    speculation = None
+    if args.speculate == "ngram":
+        from pipeline.speculate import Speculation
+        if args.draft_max < 1 or not 1 <= args.ngram_min <= args.ngram_max:
+            print(f"error: --draft-max {args.draft_max} must be >= 1 and --ngram-min {args.ngram_min} <= --ngram-max "
+                  f"{args.ngram_max}, both >= 1", file=sys.stderr)
+            return 2
+        speculation = Speculation(args.draft_max, args.ngram_min, args.ngram_max)
     text = Text(model_dir, tokenizer, args.chat)
     try:
-        session = Session(open_for_generation(pte, cache_policy(args)))
+        session = Session(open_for_generation(pte, cache_policy(args)), speculation)
     except (RuntimeError, ValueError) as e:
         print(f"error: cannot run {pte}: {e}", file=sys.stderr)
         return 1

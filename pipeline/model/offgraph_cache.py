@@ -205,6 +205,9 @@ class OffgraphCache:
         if self.states:
             return False, (f"cannot rewind to {target}: the recurrent state holds position {self.length} only "
                            "(0 to reset)")
+        return self._rings_hold(target)
+
+    def _rings_hold(self, target: int) -> tuple[bool, str]:
         floor = self.rewind_floor()
         if target < floor:
             return False, (f"cannot rewind to {target}: the ring caches no longer hold its window "
@@ -216,6 +219,26 @@ class OffgraphCache:
         if not ok:
             raise OffgraphCacheError(why)
         self.length = target
+
+    @property
+    def recurrent(self) -> bool:
+        return bool(self.states)
+
+    def snapshot(self):
+        """The length and a copy of the recurrent states: restore() goes back to them (speculation's rollback)."""
+        return self.length, [{k: t.clone() for k, t in s.items()} for s in self.states]
+
+    def restore(self, snap) -> None:
+        length, states = snap
+        ok, why = (length <= self.length, f"cannot restore a snapshot at {length} (length {self.length})")
+        if ok and 0 < length:
+            ok, why = self._rings_hold(length)
+        if not ok:
+            raise OffgraphCacheError(why)
+        for now, then in zip(self.states, states):
+            for k, t in now.items():
+                t.copy_(then[k])
+        self.length = length
 
     def reset(self) -> None:
         self.length = 0

@@ -69,8 +69,11 @@ class RunnerProgram:
         names = self.program.method_names
         self.chunk = abi.ints(self.program.constant(abi.MAX_SEQ_LEN))[0] if abi.MAX_SEQ_LEN in names else None
         # logits mode `selected`: forward takes rows Long[R]; a single-session call asks for the last row
-        self.selected = abi.LOGITS_MODE in names and \
-            abi.ints(self.program.constant(abi.LOGITS_MODE))[0] == abi.LOGITS_MODE_CODES["selected"]
+        mode = abi.ints(self.program.constant(abi.LOGITS_MODE))[0] if abi.LOGITS_MODE in names else None
+        self.selected = mode == abi.LOGITS_MODE_CODES["selected"]
+        # every row's logits in one call (speculation's verify step): a `full` or `selected` program
+        self.rows_logits = mode in (abi.LOGITS_MODE_CODES["full"], abi.LOGITS_MODE_CODES["selected"])
+        self.recurrent = "get_state_shapes" in names  # recurrent layers: a state that cannot be rewound
         if "get_n_caches" in names:
             policy = policy or CachePolicy()
             specs, ctx, self.chunk, dtype = runtime_cache_plan(self.program.constant, names, policy.windows,
@@ -84,9 +87,11 @@ class RunnerProgram:
     def constant(self, name: str):
         return self.program.constant(name)
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, all_rows: bool = False) -> torch.Tensor:
+        """Logits [1, R, V]: the last row, or with `all_rows` every row (a `full` or `selected` program)."""
         def forward():
-            extra = [torch.tensor([tokens.shape[1] - 1], dtype=torch.long)] if self.selected else []
+            rows = torch.arange(tokens.shape[1]) if all_rows else torch.tensor([tokens.shape[1] - 1])
+            extra = [rows.to(torch.long)] if self.selected else []
             return self.program.execute([tokens, positions, *extra])[0]
         return forward() if self.cache is None else run_step(self.cache, positions, forward)
 
@@ -94,6 +99,27 @@ class RunnerProgram:
         self.program.reset()
         if self.cache is not None:
             self.cache.reset()
+
+    @property
+    def can_snapshot(self) -> bool:
+        """Whether snapshot() holds every state a rewind cannot give back: a recurrent state is the runtime cache's
+        (off-graph on XNNPACK) or in program buffers its runtime can copy (the MLX interpreter's)."""
+        return not self.recurrent or hasattr(self.program, "snapshot") or \
+            (self.cache is not None and self.cache.recurrent)
+
+    def snapshot(self):
+        """What restore() needs to go back to this point; None when a rewind of the cache will do."""
+        if not self.recurrent:
+            return None
+        return (self.cache.snapshot() if self.cache is not None and self.cache.recurrent else None,
+                self.program.snapshot() if hasattr(self.program, "snapshot") else None)
+
+    def restore(self, snap) -> None:
+        cache, program = snap
+        if cache is not None:
+            self.cache.restore(cache)
+        if program is not None:
+            self.program.restore(program)
 
 
 @torch.no_grad()

@@ -34,6 +34,8 @@ def load_native_kernels(path=None):
                             ("llmpipe_cache_check_step", c_int, [vp, i64, i64]),
                             ("llmpipe_cache_commit", None, [vp, i64, i64]),
                             ("llmpipe_cache_rewind", c_int, [vp, i64]),
+                            ("llmpipe_cache_snapshot", vp, [vp, vp]), ("llmpipe_cache_restore", c_int, [vp, vp]),
+                            ("llmpipe_snapshot_free", None, [vp]),
                             ("llmpipe_cache_reset", None, [vp]), ("llmpipe_cache_length", i64, [vp]),
                             ("llmpipe_cache_allocated", i64, [vp, c_int]),
                             ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
@@ -69,11 +71,16 @@ class NativeOffgraphCache:
             raise ValueError(self._error())
         self._h = h
         self._shared = 0
+        self._recurrent = False
+        self._snap = None  # the one snapshot speculation keeps (its storage reused step after step)
 
     def _error(self) -> str:
         return self._lib.llmpipe_last_error().decode()
 
     def __del__(self):
+        if getattr(self, "_snap", None):
+            self._lib.llmpipe_snapshot_free(self._snap)
+            self._snap = None
         h = getattr(self, "_h", None)
         if h:
             self._lib.llmpipe_cache_destroy(h)
@@ -106,6 +113,20 @@ class NativeOffgraphCache:
         if self._lib.llmpipe_cache_rewind(self._h, target) != 0:
             raise OffgraphCacheError(self._error())
 
+    def snapshot(self):
+        """The length and the recurrent states now; restore() goes back to them. One snapshot at a time: taking
+        another overwrites it."""
+        self._snap = self._lib.llmpipe_cache_snapshot(self._h, self._snap)
+        return self._snap
+
+    def restore(self, snap) -> None:
+        if self._lib.llmpipe_cache_restore(self._h, snap) != 0:
+            raise OffgraphCacheError(self._error())
+
+    @property
+    def recurrent(self) -> bool:
+        return self._recurrent
+
     def reset(self) -> None:
         self._lib.llmpipe_cache_reset(self._h)
 
@@ -124,6 +145,7 @@ class NativeOffgraphCache:
         arr = (ctypes.c_int64 * max(len(dims), 1))(*dims)
         if self._lib.llmpipe_cache_set_states(self._h, len(dims) // 5, arr) != 0:
             raise ValueError(self._error())
+        self._recurrent = len(dims) >= 5
 
     def nbytes(self) -> int:
         """Bytes of K/V and state storage allocated now."""

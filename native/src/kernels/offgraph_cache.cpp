@@ -163,6 +163,19 @@ bool OffgraphKvCache::rewind(int64_t target, std::string* why) {
   return true;
 }
 
+bool OffgraphKvCache::restore(const Snapshot& s, std::string* why) {
+  const int64_t floor = rewind_floor();
+  if (s.length > length_ || (s.length > 0 && s.length < floor)) {
+    if (why)
+      *why = "cannot restore a snapshot at " + std::to_string(s.length) + " (length " + std::to_string(length_) +
+             ", lowest safe target " + std::to_string(floor) + ")";
+    return false;
+  }
+  states_ = s.states;
+  length_ = s.length;
+  return true;
+}
+
 void OffgraphKvCache::reset() {
   length_ = 0;
   states_.clear();

@@ -31,6 +31,8 @@
 //     allocated up front, slot = pos % ring; reads [max(0, pos-w+1), end)
 //     oldest to newest; writes and reads are at most two runs each.
 //   - rewind(target): target <= length and not below what the rings still hold.
+//   - snapshot / restore: the length and the recurrent states (a copy), taken before a speculative verify
+//     step; restore goes back to them (the rings' floor as for a rewind), and the caller replays what it keeps.
 // Storage: [slot][kv_head][dim], dtype Float, Half or BFloat16 (writes cast).
 //
 // Recurrent layers (set_states: the program's get_layer_kinds / get_state_shapes) keep a fixed-size state here
@@ -141,6 +143,19 @@ class OffgraphKvCache {
   bool can_rewind(int64_t target, std::string* why) const;
   bool rewind(int64_t target, std::string* why);
   void reset();
+
+  // What a rewind cannot give back on a recurrent program: the states at a length. A snapshot into an existing one
+  // reuses its storage (one per speculative step).
+  struct Snapshot {
+    int64_t length = 0;
+    RecurrentStates states;
+  };
+  void snapshot(Snapshot* out) const {
+    out->length = length_;
+    out->states = states_;
+  }
+  // Back to a snapshot taken at a length <= this one whose window the rings still hold; false + why otherwise.
+  bool restore(const Snapshot& s, std::string* why);
 
   // The recurrent layers' state, allocated (zeroed) here; throws std::invalid_argument on a bad shape.
   void set_states(std::vector<StateSpec> specs) { states_ = RecurrentStates(std::move(specs)); }

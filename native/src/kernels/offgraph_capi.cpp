@@ -61,6 +61,23 @@ int llmpipe_cache_rewind(void* h, int64_t target) {
   return -1;
 }
 
+// Speculation's rollback on a recurrent program: a snapshot (into `snap`, or a new one when null; returned) and a
+// restore (0, or -1: last_error says why); llmpipe_snapshot_free releases one.
+void* llmpipe_cache_snapshot(void* h, void* snap) {
+  auto* s = snap ? static_cast<OffgraphKvCache::Snapshot*>(snap) : new OffgraphKvCache::Snapshot();
+  static_cast<OffgraphKvCache*>(h)->snapshot(s);
+  return s;
+}
+
+int llmpipe_cache_restore(void* h, void* snap) {
+  std::string why;
+  if (static_cast<OffgraphKvCache*>(h)->restore(*static_cast<OffgraphKvCache::Snapshot*>(snap), &why)) return 0;
+  llmrt::offgraph::set_last_error(why);
+  return -1;
+}
+
+void llmpipe_snapshot_free(void* snap) { delete static_cast<OffgraphKvCache::Snapshot*>(snap); }
+
 void llmpipe_cache_reset(void* h) { static_cast<OffgraphKvCache*>(h)->reset(); }
 int64_t llmpipe_cache_length(void* h) { return static_cast<OffgraphKvCache*>(h)->length(); }
 int64_t llmpipe_cache_allocated(void* h, int layer) {

@@ -168,6 +168,15 @@ class MLXProgram:
         for delegate, _ in self.calls:
             delegate.reset()
 
+    def snapshot(self) -> list:
+        """The mutable buffers (an in-graph cache, a recurrent state) as they are: mlx arrays are immutable, so
+        holding them is a snapshot."""
+        return [dict(delegate.buffers) for delegate, _ in self.calls]
+
+    def restore(self, snap: list) -> None:
+        for (delegate, _), buffers in zip(self.calls, snap):
+            delegate.buffers = dict(buffers)
+
 
 def coverage(path) -> dict:
     """Instructions of a program by name, and which of them the interpreter has no handler for."""
