@@ -56,6 +56,8 @@ class LogitsMode(str, Enum):
     full = "full"            # every row's logits [1, T, V]
     last = "last"            # the last row's [1, 1, V]
     selected = "selected"    # forward takes a third input rows Long[R]: [1, R, V] (the batched runner's mode)
+    auto = "auto"            # selected where the cache mode takes rows (custom, offgraph), else last (full on the
+                             # transformers route): pipeline/model/cache_modes logits_mode
 
 
 class Exporter(str, Enum):
@@ -181,7 +183,7 @@ class ExportConfig:
     # max_seq_len: the traced T is in [1, chunk]; null: the largest up to 128 the model allows (preflight says)
     prefill_chunk: Optional[int] = None
     dtype: DType = DType.fp32
-    logits_mode: LogitsMode = LogitsMode.last
+    logits_mode: LogitsMode = LogitsMode.auto
     # torch.export's strict mode (dynamo); null: non-strict where the backend and the cache mode take it, in fp32
     # (pipeline/exporters/native.py strict_export), strict elsewhere
     strict: Optional[bool] = None

@@ -208,7 +208,7 @@ def export_problems(cfg) -> Problems:
     if v(e.fault) == "ring_one_short" and not (mode.rings(flags(cfg.cache)) and not mode.RUNTIME_OWNED):
         out.append(("export.fault", "ring_one_short", f"needs rings in the program: cache.mode=custom with both "
                     f"custom_sdpa and custom_kv_cache (is {v(cfg.cache.mode)!r}, {flags(cfg.cache)})"))
-    if v(e.logits_mode) not in mode.LOGITS_MODES:
+    if v(e.logits_mode) not in (*mode.LOGITS_MODES, "auto"):
         out.append(("export.logits_mode", v(e.logits_mode), f"cache.mode={v(cfg.cache.mode)} allowed: "
                     f"{list(mode.LOGITS_MODES)}"))
     if e.max_context_len < 2:

@@ -24,7 +24,8 @@ from tests.e2e.test_families import build_family
 from tests.helpers import build
 from tests.test_generate import _cli, _prompt, _stats
 
-SELECTED = "export.logits_mode=selected"
+# export.logits_mode=auto (the default) is `selected` in the custom and offgraph modes
+LAST = "export.logits_mode=last"
 
 
 def test_the_drafter_continues_the_longest_latest_match():
@@ -124,8 +125,8 @@ def _compare(m: dict, ids: list[int], new: int) -> dict:
     ("tiny_gemma3_mlx_offgraph", 26, 30),  # the MLX runtime (our interpreter)
 ])
 def test_greedy_speculation_equals_plain_decoding(recipe, n, new):
-    mode = "export.logits_mode=full" if recipe == "tiny_llama_xnnpack" else SELECTED
-    m = build(recipe, "verify.enabled=false", mode)
+    mode = ["export.logits_mode=full"] if recipe == "tiny_llama_xnnpack" else []  # static: last or full
+    m = build(recipe, "verify.enabled=false", *mode)
     _compare(m, _prompt(m, n), new)
 
 
@@ -135,13 +136,13 @@ def test_greedy_speculation_equals_plain_decoding(recipe, n, new):
     ("lfm2", "mlx", "custom"),               # states in the program's buffers (the MLX interpreter copies them)
 ])
 def test_greedy_speculation_equals_plain_decoding_on_hybrids(model_type, backend, mode):
-    m = build_family(model_type, backend, mode, "fp32", SELECTED, "export.prefill_chunk=8", "verify.enabled=false")
+    m = build_family(model_type, backend, mode, "fp32", "export.prefill_chunk=8", "verify.enabled=false")
     assert m["status"] == "ok", m.get("error")
     _compare(m, list(range(3, 13)), 30)
 
 
 def test_a_state_the_runtime_cannot_roll_back_is_refused_before_any_token():
-    m = build_family("lfm2", "xnnpack", "custom", "fp32", SELECTED, "export.prefill_chunk=8", "verify.enabled=false")
+    m = build_family("lfm2", "xnnpack", "custom", "fp32", "export.prefill_chunk=8", "verify.enabled=false")
     with pytest.raises(ValueError, match="--speculate: .*recurrent state inside the program.*cache.mode=offgraph"):
         Session(open_for_generation(Path(m["pte"]), CachePolicy()), Speculation())
 
@@ -149,7 +150,7 @@ def test_a_state_the_runtime_cannot_roll_back_is_refused_before_any_token():
 def test_sampled_speculation_keeps_the_distribution_of_plain_sampling():
     """Tokens 2 and 3 of 400 sampled runs (top-k 3, so 9 pairs), with and without speculation (the scripted drafter
     over the greedy run: some drafts kept, some not): a chi-square two-sample test on the pairs."""
-    m = build("tiny_llama_offgraph", "verify.enabled=false", SELECTED)
+    m = build("tiny_llama_offgraph", "verify.enabled=false")
     ids = _prompt(m, 10)
     truth = ids + Session(open_for_generation(Path(m["pte"]), CachePolicy())).generate(ids, 8, Sampler())[
         "generated_ids"]
@@ -177,7 +178,7 @@ def test_sampled_speculation_keeps_the_distribution_of_plain_sampling():
 
 
 def test_the_command_speculates_reports_and_refuses_what_it_cannot():
-    m = build("tiny_llama_offgraph", "verify.enabled=false", SELECTED)
+    m = build("tiny_llama_offgraph", "verify.enabled=false")
     r = _cli("--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", "one two three one two three one two",
              "--max-new-tokens", "24", "--speculate", "ngram", "--compare-plain", "--kv-max-capacity", "64")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -186,7 +187,7 @@ def test_the_command_speculates_reports_and_refuses_what_it_cannot():
     assert spec["drafted"] > 0 and spec["identical"] is True and spec["speedup"] > 0, spec
     assert "[speculate] drafted" in r.stderr
     # a program with the last row's logits only: the reason and the fix, before any token
-    last = build("tiny_llama_offgraph", "verify.enabled=false")
+    last = build("tiny_llama_offgraph", "verify.enabled=false", LAST)
     r = _cli("--pte", last["pte"], "--tokenizer", last["tokenizer"], "--prompt", "x", "--speculate", "ngram")
     assert r.returncode == 1 and "export.logits_mode=selected" in r.stderr and "Traceback" not in r.stderr
     r = _cli("--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", "x", "--speculate", "ngram",

@@ -15,7 +15,7 @@ from pipeline import abi
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.exporters import handoff
-from pipeline.model.cache_modes import CACHE_MODES, flags
+from pipeline.model.cache_modes import CACHE_MODES, flags, logits_mode as resolve_logits_mode
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_streaming
@@ -91,7 +91,7 @@ def export(ctx) -> dict:
         info.update(store_tied_once(module.model))
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     with spinner("torch.export", ctx.progress):
-        ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, v(ctx.cfg.export.logits_mode))
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, resolve_logits_mode(ctx.cfg))
     del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY and fp32:
@@ -106,7 +106,7 @@ def runner_constants(ctx) -> dict:
     e = ctx.cfg.export
     bos, eos = abi.special_ids(ctx.inputs["download"] / "model")
     return abi.constant_methods(context=e.max_context_len, chunk=e.prefill_chunk, vocab=ctx.geometry.vocab_size,
-                                dtype=v(e.dtype), logits_mode=v(e.logits_mode), bos=bos, eos=eos,
+                                dtype=v(e.dtype), logits_mode=resolve_logits_mode(ctx.cfg), bos=bos, eos=eos,
                                 build_hash=ctx.build_hash, chat=abi.chat_template_name(ctx.inputs["download"] / "model"))
 
 

@@ -252,7 +252,7 @@ def problems(cfg) -> list[tuple[str, object, str]]:
         out.append(("verify.native", vc.native, f"{route} allowed: [false]: the C++ runner runs the native one-program "
                                                "layout and cannot load prefill.pte + decode.pte with the KV cache as "
                                                "program input/output; verify runs them in the Python runtime"))
-    if v(e.logits_mode) != "full":
+    if v(e.logits_mode) not in ("full", "auto"):  # auto is full here
         out.append(("export.logits_mode", v(e.logits_mode), f"{route} allowed: ['full'] (the exporter drops "
                                                             "logits_to_keep: prefill returns every row's logits)"))
     if e.strict:

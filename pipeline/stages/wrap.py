@@ -13,7 +13,7 @@ import torch
 
 from pipeline.abi import DTYPES
 from pipeline.config import v
-from pipeline.model.cache_modes import flags, wrap
+from pipeline.model.cache_modes import flags, logits_mode as resolve_logits_mode, wrap
 from pipeline.model.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
@@ -42,7 +42,7 @@ def run(ctx) -> dict:
         ids, kept, prefill = hf_reference(model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     rewritten = make_exportable(model)  # after HF's own forward gave the reference: the check covers the rewrites
     mode = v(ctx.cfg.cache.mode)
-    logits_mode = v(e.logits_mode)
+    logits_mode = resolve_logits_mode(ctx.cfg)
     dtype = v(e.dtype)
     kv_dtype = ctx.cfg.cache.kv_dtype
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),

@@ -105,10 +105,26 @@ bool CommonOptions::parse(ArgReader& args) {
     verify_pte = args.optional_value("auto");
     if (verify_pte != "auto" && !is_sha256_hex(verify_pte))
       throw UsageError("--verify-pte expects 64 hex digits (a SHA-256) or 'auto', got '" + verify_pte + "'");
-  } else if (a == "--ignore-eos") { args.no_value(); ignore_eos = true; }
+  } else if (a == "--speculate") {
+    const std::string v = args.value();
+    if (v != "ngram" && v != "off") throw UsageError("--speculate takes ngram or off, got '" + v + "'");
+    speculate.on = v == "ngram";
+  } else if (a == "--draft-max") speculate.draft_max = parse_int(a, args.value());
+  else if (a == "--ngram-min") speculate.ngram_min = parse_int(a, args.value());
+  else if (a == "--ngram-max") speculate.ngram_max = parse_int(a, args.value());
+  else if (a == "--compare-plain") { args.no_value(); compare_plain = true; }
+  else if (a == "--ignore-eos") { args.no_value(); ignore_eos = true; }
   else if (a == "--quiet") { args.no_value(); quiet = true; }
   else return false;
   return true;
+}
+
+void CommonOptions::check_speculate() const {
+  if (speculate.draft_max < 1) throw UsageError("--draft-max must be >= 1");
+  if (speculate.ngram_min < 1 || speculate.ngram_max < speculate.ngram_min || speculate.ngram_max > 64)
+    throw UsageError("--ngram-min " + std::to_string(speculate.ngram_min) + " / --ngram-max " +
+                     std::to_string(speculate.ngram_max) + ": need 1 <= min <= max <= 64");
+  if (compare_plain && !speculate.on) throw UsageError("--compare-plain needs --speculate ngram");
 }
 
 void CommonOptions::check_max_new_tokens() const {
@@ -175,6 +191,28 @@ std::string chat_help(int width) {
   return flag + "chat template: llama3 | gemma | gemma4 | chatml | 0 (raw text\n" + pad +
          "with BOS) (default: the template the program records in\n" + pad +
          "get_chat_template; raw text for a program without it)\n";
+}
+
+std::string speculate_help(int width) {
+  const std::string pad(width, ' ');
+  auto line = [&](std::string flag, const std::string& text) {
+    flag = "  " + flag;
+    flag += flag.size() < static_cast<size_t>(width) ? std::string(width - flag.size(), ' ') : "\n" + pad;
+    return flag + text;
+  };
+  const speculate::Options d;
+  return line("--speculate off|ngram", "ngram: prompt-lookup speculative decoding: drafts from the\n" + pad +
+                                           "context, verified in one forward (a program exported with\n" + pad +
+                                           "export.logits_mode=selected or full) (default: off)\n") +
+         line("--draft-max K", "most tokens drafted a step, below the program's chunk; the\n" + pad +
+                                   "draft adapts to the acceptance rate (default: " +
+                                   std::to_string(d.draft_max) + ")\n") +
+         line("--ngram-min N", "shortest n-gram a draft is matched on (default: " + std::to_string(d.ngram_min) +
+                                   ")\n") +
+         line("--ngram-max N", "longest n-gram a draft is matched on (default: " + std::to_string(d.ngram_max) +
+                                   ")\n") +
+         line("--compare-plain", "run each turn again without speculation and report the\n" + pad +
+                                     "speedup and whether the tokens are the same (default: off)\n");
 }
 
 std::string verify_pte_help(int width) {

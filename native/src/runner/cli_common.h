@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/speculate.h"
+
 namespace llmrt::cli {
 
 using Clock = std::chrono::steady_clock;
@@ -77,6 +79,8 @@ struct CommonOptions {
   std::string kv_storage_dtype;  // empty = the program's activation dtype
   bool kv_flags = false;         // a --kv-* flag other than --kv-max-capacity given
   std::string verify_pte;        // --verify-pte: a SHA-256 in hex, "auto" (manifest.json), empty = off
+  speculate::Options speculate;  // --speculate ngram, --draft-max, --ngram-min, --ngram-max
+  bool compare_plain = false;    // --compare-plain: each turn again without speculation, for the speedup
 
   // Reads the current flag if it is one of these (true); false leaves it to the runner.
   bool parse(ArgReader& args);
@@ -88,6 +92,7 @@ struct CommonOptions {
   void check_threads() const;
   void check_kv_initial_capacity() const;
   void check_kv_storage_dtype() const;  // also refuses an empty value
+  void check_speculate() const;         // --draft-max, --ngram-min, --ngram-max
 
   // --kv-initial-capacity with -1 read as the default.
   int64_t kv_initial() const;
@@ -105,6 +110,9 @@ std::string resolve_chat(const std::string& flag, const std::string& program_tem
 
 // The help line of --chat, the same in both runners; `width` is the column of the descriptions.
 std::string chat_help(int width);
+
+// The help lines of the speculation flags, the same in both runners; `width` is the column of the descriptions.
+std::string speculate_help(int width);
 
 // The help line of --verify-pte, the same in both runners; `width` is the column of the descriptions.
 std::string verify_pte_help(int width);

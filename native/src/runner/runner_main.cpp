@@ -47,6 +47,37 @@ void check_vocab(const Tokenizer& tok, const ProgramInfo& info) {
                  static_cast<long long>(tok.vocab_size()), static_cast<long long>(info.vocab_size));
 }
 
+// --speculate ngram: refused before any token where a verify step cannot run or cannot be rolled back.
+void check_speculation(const Options& o, const LlmProgram& prog, const KvCacheOwner& cache, int64_t chunk) {
+  if (!prog.all_rows_logits())
+    throw ProgramError(std::string("--speculate: this program returns the last row's logits only (logits mode ") +
+                       logits_mode_name(prog.info().logits_mode) + "); speculation verifies a draft in one forward "
+                       "and needs every row's: rebuild with export.logits_mode=selected (or full)");
+  if (chunk < 2)
+    throw ProgramError("--speculate: the program's prefill chunk is 1 token: a draft needs a chunk of 2 or more");
+  if (o.speculate.draft_max > chunk - 1)
+    throw ProgramError("--draft-max " + std::to_string(o.speculate.draft_max) + ": a verify step feeds the drafts "
+                       "after the last token in one chunk of at most " + std::to_string(chunk) + ": at most " +
+                       std::to_string(chunk - 1) + " drafts");
+  if (cache.recurrent() && !cache.can_snapshot())
+    throw ProgramError("--speculate: this program keeps its recurrent state inside the program (cache.mode=custom), "
+                       "where the runner cannot roll it back: build with cache.mode=offgraph");
+}
+
+// --compare-plain: the turn again from an empty cache without speculation; its speed, and (greedy) whether its
+// tokens are the same. The cache holds the plain run afterwards.
+void compare_plain(Runner& runner, KvCacheOwner& cache, const std::vector<int64_t>& ids, const Options& o,
+                   TurnResult* r) {
+  cache.reset();
+  runner.set_speculate(false);
+  runner.set_quiet(true);  // its text is this turn's again
+  TurnResult plain = runner.run(ids, -1);
+  runner.set_speculate(true);
+  runner.set_quiet(o.quiet);
+  r->plain_decode_tok_s = plain.decode_ms > 0 ? plain.decode_steps * 1000.0 / plain.decode_ms : 0;
+  r->identical = o.temperature > 0 ? -1 : plain.generated_ids == r->generated_ids ? 1 : 0;
+}
+
 int run_encode(const Options& o) {
   if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   auto tok = Tokenizer::from_file(o.tokenizer);
@@ -147,6 +178,7 @@ int run(const Options& given) {
   std::fprintf(stderr, "[memory] rss after load %.1f MiB (load %.1f ms, threads %d)\n", li.rss_load,
                li.load_ms, li.threads);
 
+  if (o.speculate.on) check_speculation(o, prog, cache, chunk);
   Runner runner(o, prog, cache, tok.get(), chunk);
   for (int64_t id : info.eos_ids)
     if (!o.ignore_eos) runner.add_stop(id);
@@ -174,6 +206,7 @@ int run(const Options& given) {
                          " tokens but the " + (info.offgraph ? "KV cache" : "program's context") +
                          " holds " + std::to_string(cache.capacity()));
     TurnResult r = runner.run(ids, -1);
+    if (o.compare_plain) compare_plain(runner, cache, ids, o, &r);
     report(o, info, li, r, cache, 0);
     return 0;
   }

@@ -55,6 +55,7 @@ void print_help() {
       "                        (full attention), e.g. 512,0; the prefill chunk stays as exported\n"
       "                        (default: the program's get_windows)\n"
       "%s"
+      "%s"
       "  --help                this text\n"
       "\n"
       "Every flag also takes underscores, as the reference spells them: --max_new_tokens,\n"
@@ -66,7 +67,8 @@ void print_help() {
       cli::chat_help(24).c_str(), static_cast<long long>(d.max_new_tokens), d.temperature, d.top_p,
       static_cast<long long>(d.top_k), static_cast<unsigned long long>(d.seed),
       static_cast<long long>(d.threads), static_cast<long long>(d.kv_max_capacity),
-      static_cast<long long>(d.kv_initial_capacity), cli::verify_pte_help(24).c_str());
+      static_cast<long long>(d.kv_initial_capacity), cli::speculate_help(24).c_str(),
+      cli::verify_pte_help(24).c_str());
 }
 
 std::vector<int64_t> parse_ids(const std::string& s) {
@@ -112,6 +114,7 @@ Options parse_args(int argc, char** argv, bool* help) {
   o.check_max_new_tokens();
   o.check_sampling();
   o.check_threads();
+  o.check_speculate();
   if (o.kv_max_capacity < 0) throw UsageError("--kv-max-capacity must be >= 0 (0 = in-graph program)");
   o.check_kv_initial_capacity();
   if (o.kv_flags && o.kv_max_capacity == 0)

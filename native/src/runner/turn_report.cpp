@@ -50,6 +50,20 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["logits_mode"] = logits_mode_name(info.logits_mode);
   j["logits_dtype"] = info.logits_dtype;
   j["recipe_hash"] = info.has_recipe_hash ? json(info.recipe_hash) : json(nullptr);
+  if (r.speculated) {
+    json s;
+    s["drafted"] = r.spec.drafted;
+    s["accepted"] = r.spec.accepted;
+    s["verify_steps"] = r.spec.verify_steps;
+    s["acceptance"] = r.spec.drafted ? json(static_cast<double>(r.spec.accepted) / r.spec.drafted) : json(nullptr);
+    if (r.plain_decode_tok_s >= 0) {
+      const double now = rate(static_cast<double>(r.decode_steps), r.decode_ms);
+      s["plain_decode_tok_s"] = r.plain_decode_tok_s;
+      s["speedup"] = r.plain_decode_tok_s > 0 ? json(now / r.plain_decode_tok_s) : json(nullptr);
+      s["identical"] = r.identical < 0 ? json(nullptr) : json(r.identical == 1);
+    }
+    j["speculation"] = s;
+  }
   return j;
 }
 
@@ -70,6 +84,16 @@ void report(const Options& o, const ProgramInfo& info, const LoadInfo& li, const
                r.prompt_ids.size(), r.generated_ids.size(), r.stop_reason.c_str(), li.load_ms,
                li.tokenizer_ms, r.ttft_ms, j["prefill_tok_s"].get<double>(),
                j["decode_tok_s"].get<double>(), r.sampling_ms);
+  if (j.contains("speculation")) {
+    const json& s = j["speculation"];
+    std::fprintf(stderr, "[speculate] drafted %lld, accepted %lld in %lld verify steps",
+                 static_cast<long long>(r.spec.drafted), static_cast<long long>(r.spec.accepted),
+                 static_cast<long long>(r.spec.verify_steps));
+    if (s.contains("speedup") && !s["speedup"].is_null())
+      std::fprintf(stderr, " | %.2fx the plain run's %.1f tok/s%s", s["speedup"].get<double>(),
+                   r.plain_decode_tok_s, r.identical < 0 ? "" : r.identical ? ", tokens identical" : ", tokens DIFFER");
+    std::fprintf(stderr, "\n");
+  }
   std::string line = j.dump(-1, ' ', false, json::error_handler_t::replace);
   std::fprintf(stderr, "STATS_JSON: %s\n", line.c_str());
   if (!o.stats_json.empty()) {

@@ -58,40 +58,48 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
   auto td = Clock::now();
   Utf8Stream stream;
   bool first_piece = true;
-  for (;;) {
-    r.generated_ids.push_back(next);
-    if (stops_.count(next)) {
+  auto emit = [&](int64_t t) {  // true: the turn ends with t
+    r.generated_ids.push_back(t);
+    if (stops_.count(t)) {
       r.stop_reason = "stop_token";
-      break;
+      return true;
     }
     if (tok_) {
-      std::string piece = stream.push(tok_->decode_token(static_cast<int32_t>(next), first_piece));
+      std::string piece = stream.push(tok_->decode_token(static_cast<int32_t>(t), first_piece));
       first_piece = false;
       r.text += piece;
-      if (!o_.quiet && !piece.empty()) {
+      if (!quiet_ && !piece.empty()) {
         std::fwrite(piece.data(), 1, piece.size(), stdout);
         std::fflush(stdout);
       }
     }
     if (static_cast<int64_t>(r.generated_ids.size()) >= o_.max_new_tokens) {
       r.stop_reason = "max_new_tokens";
-      r.pending = next;
-      break;
+      r.pending = t;
+      return true;
     }
-    if (cache_.length() >= ctx) {
-      r.stop_reason = "context_full";
-      r.pending = next;
-      break;
+    return false;
+  };
+  if (speculate_) {
+    decode_speculative(ids, next, emit, r);
+  } else if (!emit(next)) {
+    for (;;) {
+      if (cache_.length() >= ctx) {
+        r.stop_reason = "context_full";
+        r.pending = next;
+        break;
+      }
+      const std::vector<float>& logits = feed({next});
+      ++r.decode_steps;
+      ts = Clock::now();
+      next = sampler_.sample(logits.data(), V);
+      r.sampling_ms += ms_since(ts);
+      if (emit(next)) break;
     }
-    const std::vector<float>& logits = feed({next});
-    ++r.decode_steps;
-    ts = Clock::now();
-    next = sampler_.sample(logits.data(), V);
-    r.sampling_ms += ms_since(ts);
   }
   std::string tail = stream.finish();
   r.text += tail;
-  if (!o_.quiet) {
+  if (!quiet_) {
     std::fwrite(tail.data(), 1, tail.size(), stdout);
     std::fputc('\n', stdout);
     std::fflush(stdout);
@@ -99,6 +107,82 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
   r.decode_ms = ms_since(td);
   r.rss_decode = rss_mib();
   return r;
+}
+
+template <class Emit>
+void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t next, Emit&& emit, TurnResult& r) {
+  const int64_t V = prog_.info().vocab_size, ctx = cache_.capacity();
+  const speculate::Options& so = o_.speculate;
+  speculate::NgramDrafter drafter(so.ngram_min, so.ngram_max);
+  speculate::DraftBudget budget(std::min(so.draft_max, chunk_ - 1));
+  drafter.extend(context);
+  drafter.push(next);
+  r.speculated = true;
+  if (emit(next)) return;
+  std::vector<int64_t> fed, rows;
+  for (;;) {
+    if (cache_.length() >= ctx) {
+      r.stop_reason = "context_full";
+      r.pending = next;
+      return;
+    }
+    const int64_t room = std::min<int64_t>(o_.max_new_tokens - static_cast<int64_t>(r.generated_ids.size()) - 1,
+                                           ctx - cache_.length() - 1);
+    const int64_t k = std::max<int64_t>(0, std::min(so.adaptive ? budget.choose() : so.draft_max, room));
+    const std::vector<int64_t> draft = drafter.draft(k);
+    auto t = Clock::now();
+    if (draft.empty()) {
+      const std::vector<float>& logits = feed({next});
+      next = sampler_.sample(logits.data(), V);
+      budget.timed(1, ms_since(t));
+      budget.plain_step();
+      ++r.decode_steps;
+      drafter.push(next);
+      if (emit(next)) return;
+      continue;
+    }
+    fed.assign(1, next);
+    fed.insert(fed.end(), draft.begin(), draft.end());
+    const int64_t pos = cache_.length(), n = static_cast<int64_t>(fed.size());
+    positions_.resize(n);
+    rows.resize(n);
+    for (int64_t i = 0; i < n; ++i) positions_[i] = pos + i, rows[i] = i;
+    if (cache_.recurrent()) cache_.snapshot();
+    std::string why;
+    if (!cache_.bind(pos, n, &why)) throw ProgramError(why);
+    const std::vector<float>& logits = prog_.forward_rows(fed.data(), positions_.data(), n, rows);
+    cache_.commit(pos, n);
+    auto [a, after] = speculate::accept_drafts(logits.data(), V, draft, sampler_);
+    std::vector<int64_t> kept(draft.begin(), draft.begin() + a);
+    kept.push_back(after);
+    int64_t m = 0;
+    bool done = false;
+    for (int64_t tok : kept) {
+      ++m;
+      if ((done = emit(tok))) break;
+    }
+    keep(pos, fed, m);
+    budget.timed(n, ms_since(t));
+    budget.drafted(static_cast<int64_t>(draft.size()), a);
+    r.spec.drafted += static_cast<int64_t>(draft.size());
+    r.spec.accepted += a;
+    ++r.spec.verify_steps;
+    r.decode_steps += m;
+    for (int64_t i = 0; i < m; ++i) drafter.push(kept[i]);
+    next = kept[m - 1];
+    if (done) return;
+  }
+}
+
+void Runner::keep(int64_t pos, const std::vector<int64_t>& fed, int64_t m) {
+  if (m == static_cast<int64_t>(fed.size())) return;
+  std::string why;
+  if (cache_.recurrent()) {  // the state cannot step back: restore it, then feed the kept tokens again
+    if (!cache_.restore(&why)) throw ProgramError(why);
+    feed(std::vector<int64_t>(fed.begin(), fed.begin() + m));
+    return;
+  }
+  if (!cache_.rewind(pos + m, &why)) throw ProgramError(why);
 }
 
 }  // namespace llmrt::runner

@@ -11,6 +11,7 @@
 #include "runtime/kv_cache.h"
 #include "runtime/llm_program.h"
 #include "runtime/sampler.h"
+#include "runtime/speculate.h"
 #include "tokenizer/tokenizer.h"
 
 namespace llmrt::runner {
@@ -23,6 +24,10 @@ struct TurnResult {
   double prefill_ms = 0, ttft_ms = 0, decode_ms = 0, sampling_ms = 0;
   int64_t decode_steps = 0;
   double rss_prefill = 0, rss_decode = 0;
+  bool speculated = false;          // decoded with --speculate ngram
+  speculate::Stats spec;
+  double plain_decode_tok_s = -1;   // --compare-plain: the same turn without speculation
+  int identical = -1;               // its tokens equal this turn's (greedy): 1/0, -1 when sampling
 };
 
 // Holds the sampler across turns, so an interactive session keeps one random stream.
@@ -44,7 +49,17 @@ class Runner {
   // One turn: prefill `ids` (pending token first), then decode.
   TurnResult run(std::vector<int64_t> ids, int64_t pending);
 
+  // Whether run() speculates (--speculate ngram); --compare-plain turns it off for its second run.
+  void set_speculate(bool on) { speculate_ = on; }
+  void set_quiet(bool on) { quiet_ = on; }
+
  private:
+  // Decode after `next` with prompt-lookup drafts; `emit` takes a token and says whether the turn ends there.
+  template <class Emit>
+  void decode_speculative(const std::vector<int64_t>& context, int64_t next, Emit&& emit, TurnResult& r);
+  // After a verify step fed `fed` at `pos`: the cache keeps fed[:m].
+  void keep(int64_t pos, const std::vector<int64_t>& fed, int64_t m);
+
   const Options& o_;
   LlmProgram& prog_;
   KvCacheOwner& cache_;
@@ -52,6 +67,8 @@ class Runner {
   Sampler sampler_;
   std::unordered_set<int64_t> stops_;
   int64_t chunk_;
+  bool speculate_ = o_.speculate.on, quiet_ = o_.quiet;
+  std::vector<int64_t> positions_;
 };
 
 }  // namespace llmrt::runner

@@ -38,6 +38,15 @@ class KvCacheOwner {
   virtual std::string describe() const = 0;
   // Bytes of K/V storage the runner holds (-1: inside the program, not the runner's to count).
   virtual int64_t bytes() const { return -1; }
+  // Recurrent layers: a state a rewind cannot give back. Speculation snapshots it before a verify forward and
+  // restores it (the length too) to replay what it keeps; can_snapshot() is false where the runner cannot reach it.
+  virtual bool recurrent() const { return false; }
+  virtual bool can_snapshot() const { return !recurrent(); }
+  virtual void snapshot() {}
+  virtual bool restore(std::string* why) {
+    if (why) *why = "this cache takes no snapshot";
+    return false;
+  }
 };
 
 // The program owns the cache (mutable buffers); entries past the current
@@ -108,6 +117,7 @@ class InGraphCache final : public KvCacheOwner {
     return true;
   }
   void reset() override { length_ = 0; }
+  bool recurrent() const override { return layers_.recurrent(); }  // the program's buffers: out of the runner's reach
   std::string describe() const override {
     std::string s = "[cache] in-graph (program-owned) | capacity=" + std::to_string(capacity_);
     if (!rings_.empty())
@@ -170,6 +180,10 @@ class OffgraphCacheOwner final : public KvCacheOwner {
     return cache_.describe() + (states.empty() ? "" : "\n" + states);
   }
   int64_t bytes() const override { return cache_.bytes(); }
+  bool recurrent() const override { return !cache_.states().empty(); }
+  bool can_snapshot() const override { return true; }
+  void snapshot() override { cache_.snapshot(&saved_); }
+  bool restore(std::string* why) override { return cache_.restore(saved_, why); }
   const offgraph::OffgraphKvCache& cache() const { return cache_; }
   // The program's recurrent layers (get_state_shapes): their state, held here.
   void set_states(const std::vector<int64_t>& dims) {
@@ -178,6 +192,7 @@ class OffgraphCacheOwner final : public KvCacheOwner {
 
  private:
   offgraph::OffgraphKvCache cache_;
+  offgraph::OffgraphKvCache::Snapshot saved_;
 };
 
 }  // namespace llmrt

@@ -23,6 +23,13 @@ class Sampler {
 
   int64_t sample(const float* logits, int64_t n) {
     if (greedy()) return argmax(logits, n);
+    prepare(logits, n);
+    return draw(-1);
+  }
+
+  // The distribution a sampled token is drawn from (temperature, top-k, top-p), for speculation's acceptance rule:
+  // prepare() it for a row, then prob() of a token, a uniform() draw, or a draw without one token.
+  void prepare(const float* logits, int64_t n) {
     // Candidates: top-k (all when k <= 0), in descending logit order.
     int64_t k = (top_k_ > 0 && top_k_ < n) ? top_k_ : n;
     if (top_p_ < 1.0 && k == n) {
@@ -47,26 +54,27 @@ class Sampler {
     probs_.resize(k);
     double sum = 0;
     for (int64_t i = 0; i < k; ++i) sum += (probs_[i] = expw(logits[idx_[i]], mx));
-    int64_t keep = k;
+    keep_ = k;
     if (top_p_ < 1.0) {
       double c = 0;
       for (int64_t i = 0; i < k; ++i) {
         c += probs_[i] / sum;
         if (c >= top_p_) {
-          keep = i + 1;
+          keep_ = i + 1;
           break;
         }
       }
     }
-    double kept = 0;
-    for (int64_t i = 0; i < keep; ++i) kept += probs_[i];
-    double r = std::uniform_real_distribution<double>(0.0, kept)(rng_);
-    for (int64_t i = 0; i < keep; ++i) {
-      r -= probs_[i];
-      if (r < 0) return idx_[i];
-    }
-    return idx_[keep - 1];
+    kept_ = 0;
+    for (int64_t i = 0; i < keep_; ++i) kept_ += probs_[i];
   }
+  double prob(int64_t token) const {
+    for (int64_t i = 0; i < keep_; ++i)
+      if (idx_[i] == token) return probs_[i] / kept_;
+    return 0.0;
+  }
+  double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(rng_); }
+  int64_t draw_excluding(int64_t token) { return draw(token); }
 
   // The first maximum, NaNs skipped (torch.argmax's tie rule; 0 when every value is NaN). Two passes: the max in
   // SSE lanes, then the first index that equals it. Gemma's 262,144 logits took ~0.3 ms a token in a scalar loop.
@@ -101,6 +109,20 @@ class Sampler {
   }
 
  private:
+  // A draw from the prepared candidates, without `skip` (-1: none).
+  int64_t draw(int64_t skip) {
+    double total = kept_ - (skip >= 0 ? prob(skip) * kept_ : 0.0);
+    if (total <= 0) total = kept_, skip = -1;  // nothing else left: the rule never gets here, but stay defined
+    double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
+    int64_t last = idx_[0];
+    for (int64_t i = 0; i < keep_; ++i) {
+      if (idx_[i] == skip) continue;
+      last = idx_[i];
+      r -= probs_[i];
+      if (r < 0) return idx_[i];
+    }
+    return last;
+  }
   double expw(float l, float mx) const {
     if (std::isnan(l)) return 0.0;
     return std::exp((static_cast<double>(l) - mx) / temperature_);
@@ -123,6 +145,8 @@ class Sampler {
   std::mt19937_64 rng_;
   std::vector<int64_t> idx_;
   std::vector<double> probs_;
+  int64_t keep_ = 0;
+  double kept_ = 0;
 };
 
 }  // namespace llmrt

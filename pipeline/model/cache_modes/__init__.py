@@ -8,6 +8,7 @@ Each module declares:
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
     exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
+    takes_rows(flags) -> bool -- its module takes the rows input (export.logits_mode=auto is `selected` there)
     kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
     refuses_arch(arch, flags) -> str | None -- why the mode cannot build a model of this architecture's entry
     wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->
@@ -25,6 +26,17 @@ CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in 
 def flags(cache) -> dict:
     """cache.custom_sdpa / cache.custom_kv_cache of a cache config, as plain bools."""
     return {"custom_sdpa": bool(cache.custom_sdpa), "custom_kv_cache": bool(cache.custom_kv_cache)}
+
+
+def logits_mode(cfg) -> str:
+    """export.logits_mode as built. `auto`: `selected` where the cache mode's module takes a rows input (a decode
+    step asks one row, as `last` does; speculation's verify step and the batched runner ask several rows of one
+    forward), else `last`."""
+    mode = cfg.export.logits_mode
+    mode = getattr(mode, "value", mode)
+    if mode != "auto":
+        return mode
+    return "selected" if CACHE_MODES[cfg.cache.mode].takes_rows(flags(cfg.cache)) else "last"
 
 
 def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None, mode_flags: dict | None = None,

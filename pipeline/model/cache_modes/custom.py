@@ -131,6 +131,11 @@ def exports_non_strict(flags: dict) -> bool:
     return fused(flags)
 
 
+def takes_rows(flags: dict) -> bool:
+    """The fused op's module takes rows; either op alone wraps HF's StaticCache, which has no rows input."""
+    return fused(flags)
+
+
 def rings(flags: dict) -> bool:
     """Only the fused op keeps rings (window + chunk - 1 slots); either op alone works on a flat cache."""
     return fused(flags)

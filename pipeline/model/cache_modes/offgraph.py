@@ -41,6 +41,10 @@ RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, 
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
 LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
 
+
+def takes_rows(flags: dict) -> bool:
+    return True
+
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"
 QUALNAME = f"{NAMESPACE}::{OP_NAME}"

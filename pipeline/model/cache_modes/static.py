@@ -14,6 +14,10 @@ KERNELS: tuple[str, ...] = ()
 LOGITS_MODES = ("full", "last")  # HF logits_to_keep over a StaticCache: no rows input
 
 
+def takes_rows(flags: dict) -> bool:
+    return False
+
+
 def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int):
     """HF's StaticCache of `max_context_len` positions for every layer (BHSD buffers it updates with index_copy_),
     its tensors registered as `owner`'s buffers so export keeps them in the program; returns the cache."""
