@@ -150,6 +150,16 @@ void run_case(const Case& c) {
   const auto decode1 = layer.step(P - 1, 1), whole1 = layer.step(5, P - 5);
   report(std::string(c.name) + ": the same bits on 1 and 2 threads",
          same_rows(c, decode1, P - 1, 1, decode2, P - 1, 1, P - 1, 1) + same_rows(c, whole, 5, P - 5, whole1, 5, P - 5, 5, P - 5));
+  // speculation's verify steps: each row of a step of up to 4 rows equals its own decode step (a row's key splits
+  // come from its own keys), also where the step's rows straddle a split boundary (128 and 256 keys)
+  pool->_unsafe_reset_threadpool(2);
+  std::string verify_rows;
+  for (int64_t pos : {int64_t(125), int64_t(126), int64_t(254), P - 4})
+    for (int64_t T = 2; T <= 4 && pos + T <= P; ++T) {
+      const auto step = layer.step(pos, T);
+      for (int64_t r = pos; r < pos + T; ++r) verify_rows += same_rows(c, step, pos, T, layer.step(r, 1), r, 1, r, 1);
+    }
+  report(std::string(c.name) + ": a verify step's rows equal decode steps'", verify_rows);
   double err = 0.0;
   for (int64_t h = 0; h < c.hq; ++h)
     for (int64_t e = 0; e < c.d; ++e) {

@@ -96,3 +96,25 @@ def test_the_default_program_stores_the_tied_embedding_once(smollm2_default):
     assert pte.count(table) == 1
     line = next(ln for ln in m["stdout"].splitlines() if "bits/weight" in ln)
     assert "stored once" in line and float(line.split(": ")[1].split()[0]) < 6.2, line
+
+
+def test_speculation_keeps_the_default_programs_greedy_tokens(smollm2_default):
+    """--speculate ngram on the default program (export.logits_mode=auto: `selected`) in both runners: a prompt whose
+    answer copies it, so drafts are kept and rejected at many depths; the tokens equal plain decoding's."""
+    m = smollm2_default
+    text = ("Copy this sentence, but write 'green' instead of 'blue': The small blue boat sailed past the old "
+            "harbour wall, and the blue flags on its mast moved slowly in the evening wind.")
+    r = subprocess.run([str(native.runner_path()), "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", text,
+                        "--max-new-tokens", "64", "--speculate", "ngram", "--compare-plain", "--quiet"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cpp = json.loads(next(ln for ln in r.stderr.splitlines() if ln.startswith("STATS_JSON: ")).split(": ", 1)[1])
+    spec = cpp["speculation"]
+    assert spec["identical"] is True and 0 < spec["accepted"] < spec["drafted"], spec
+    py = subprocess.run([sys.executable, "-m", "pipeline.generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
+                         "--prompt", text, "--max-new-tokens", "64", "--speculate", "ngram", "--compare-plain"],
+                        capture_output=True, text=True, timeout=600)
+    assert py.returncode == 0, py.stderr[-3000:]
+    ours = json.loads(next(ln for ln in py.stderr.splitlines() if ln.startswith("STATS_JSON: ")).split(": ", 1)[1])
+    assert ours["prompt_ids"] == cpp["prompt_ids"] and ours["generated_ids"] == cpp["generated_ids"]
+    assert ours["speculation"]["identical"] is True and ours["speculation"]["accepted"] > 0

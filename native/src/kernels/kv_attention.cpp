@@ -108,9 +108,10 @@ inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* bu
 
 constexpr int64_t kBlock = 32;  // keys per block of scores (online softmax)
 constexpr int kMaxSplits = 64;  // key splits of one query row (attend_segments)
-// Keys per split for a segment of few query rows (a decode step): its keys are shared out so every thread has
-// work, and the splits merged after. The split depends only on the segment (its rows and span), never on the
-// thread count or the other segments of the step: a session computes the same bits alone, batched, on any pool.
+// Keys per split for a query row of a few-row step (a decode step, a speculative verify): its keys are shared out
+// so every thread has work, and the splits merged after. A row's splits depend only on its own visible keys, never on
+// the thread count, the other rows of its step or the other segments: a row computes the same bits alone, in a verify
+// step of up to kSplitRows rows, batched, on any pool (speculation's greedy tokens equal plain decoding's).
 constexpr int64_t kSplitKeys = 128;
 constexpr int64_t kSplitRows = 4;  // query rows up to which a segment splits its keys
 
@@ -451,24 +452,35 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
   }
 }
 
-int splits_of(const Segment& g) {
-  if (g.T > kSplitRows) return 1;
-  return static_cast<int>(std::clamp<int64_t>((g.span() + kSplitKeys - 1) / kSplitKeys, 1, kMaxSplits));
+// Key splits of query row i of a few-row segment: from the keys visible to it.
+int row_splits(const Segment& g, int64_t i) {
+  const int64_t qpos = g.pos + i;
+  const int64_t lo = g.view.window > 0 ? std::max(g.base, qpos - g.view.window + 1) : g.base;
+  return static_cast<int>(std::clamp<int64_t>((qpos - lo + kSplitKeys) / kSplitKeys, 1, kMaxSplits));
 }
 
 void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, void* out, int out_code) {
   const int64_t Hq = q.size(1), Ttot = q.size(2);
   // work units, each over every head: (segment, query row, key split) for a few rows (a decode step), (segment,
-  // tile of kTileRows rows) for a row group
+  // tile of kTileRows rows) for a row group; row_first[g][i]: the first unit of row i (few-row segments)
   std::vector<int64_t> first(static_cast<size_t>(n) + 1, 0);
-  std::vector<int> splits(static_cast<size_t>(n));
+  std::vector<std::vector<int64_t>> row_first(static_cast<size_t>(n));
   int64_t dv_max = 1;
   bool any_split = false;
   for (int g = 0; g < n; ++g) {
-    splits[g] = splits_of(segs[g]);
-    any_split |= splits[g] > 1;
     const int64_t T = segs[g].T;
-    first[g + 1] = first[g] + (T > kSplitRows ? (T + kTileRows - 1) / kTileRows : T * splits[g]);
+    if (T > kSplitRows) {
+      first[g + 1] = first[g] + (T + kTileRows - 1) / kTileRows;
+    } else {
+      std::vector<int64_t>& rf = row_first[g];
+      rf.assign(static_cast<size_t>(T) + 1, first[g]);
+      for (int64_t i = 0; i < T; ++i) {
+        const int sp = row_splits(segs[g], i);
+        any_split |= sp > 1;
+        rf[i + 1] = rf[i] + sp;
+      }
+      first[g + 1] = rf[T];
+    }
     dv_max = std::max(dv_max, segs[g].view.v_dim);
   }
   const int64_t units = first[n], stride = Hq * (2 + dv_max);  // a unit's m, l, acc
@@ -485,32 +497,34 @@ void attend_segments(const Segment* segs, int n, const Tensor& q, float scale, v
         attend_tile(s, q, Ttot, scale, i0, std::min(kTileRows, s.T - i0), out, out_code, scratch);
         continue;
       }
-      const int64_t local_u = u - first[g], i = local_u / splits[g];
-      const int sp = static_cast<int>(local_u % splits[g]);
-      float* base = splits[g] > 1 ? partials.data() + u * stride : local.data();
+      const std::vector<int64_t>& rf = row_first[g];
+      const int64_t i = std::upper_bound(rf.begin(), rf.end(), u) - rf.begin() - 1;
+      const int sn = static_cast<int>(rf[i + 1] - rf[i]), sp = static_cast<int>(u - rf[i]);
+      float* base = sn > 1 ? partials.data() + u * stride : local.data();
       const Partial part{base, base + Hq, base + 2 * Hq};
       switch (s.view.dtype) {
-        case kFloat: attend_unit<simd::F32Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
-        case kHalf: attend_unit<simd::F16Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
-        default: attend_unit<simd::BF16Rows>(s, q, Ttot, scale, i, sp, splits[g], part, scratch); break;
+        case kFloat: attend_unit<simd::F32Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
+        case kHalf: attend_unit<simd::F16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
+        default: attend_unit<simd::BF16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
       }
-      if (splits[g] == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);
+      if (sn == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);
     }
   };
   executorch::extension::parallel_for(0, units, 1, body);
   if (!any_split) return;
-  // merge: unit (g, i, sp) sits at first[g] + i * splits + sp
+  // merge the rows that split: unit (g, i, sp) sits at row_first[g][i] + sp
   std::vector<float> mm, ll, aa;
   for (int g = 0; g < n; ++g) {
-    if (splits[g] == 1) continue;
+    if (segs[g].T > kSplitRows) continue;
     const int64_t Dv = segs[g].view.v_dim;
-    const int sn = splits[g];
-    mm.resize(static_cast<size_t>(sn * Hq));
-    ll.resize(mm.size());
-    aa.resize(static_cast<size_t>(sn * Hq * Dv));
     for (int64_t i = 0; i < segs[g].T; ++i) {
+      const int sn = static_cast<int>(row_first[g][i + 1] - row_first[g][i]);
+      if (sn == 1) continue;
+      mm.resize(static_cast<size_t>(sn * Hq));
+      ll.resize(mm.size());
+      aa.resize(static_cast<size_t>(sn * Hq * Dv));
       for (int sp = 0; sp < sn; ++sp) {
-        const float* base = partials.data() + (first[g] + i * sn + sp) * stride;
+        const float* base = partials.data() + (row_first[g][i] + sp) * stride;
         std::copy_n(base, Hq, mm.data() + sp * Hq);
         std::copy_n(base + Hq, Hq, ll.data() + sp * Hq);
         std::copy_n(base + 2 * Hq, Hq * Dv, aa.data() + sp * Hq * Dv);

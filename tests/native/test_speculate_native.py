@@ -1,0 +1,68 @@
+"""llm_runner --speculate ngram: the drafter, budget and acceptance rule (native/build/speculate_test), and on built
+tiny programs in every cache mode: greedy tokens identical to the plain run (--compare-plain) and to python -m
+pipeline.generate's speculative run, rings wrapped (window 16, 56 positions), hybrids' state snapshot and restored;
+what cannot speculate is refused with the reason before any token. (The random tiny models repeat a token, so their
+drafts are mostly kept: rejections at every depth are tests/test_speculate.py's scripted drafter in Python, and the
+real default program's in tests/e2e/test_smollm2.py.)"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pipeline import native
+from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.runtimes import CachePolicy
+from pipeline.speculate import Speculation
+from tests.e2e.test_families import build_family
+from tests.helpers import build
+
+PROMPT = [5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6]  # repeated n-grams with different continuations
+
+
+def test_the_drafter_budget_and_acceptance_rule(native_bins):
+    binary = Path(native_bins[0]).parent / "speculate_test"
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == 15, proc.stdout
+
+
+def _speculate(m: dict, new: int, *extra: str) -> dict:
+    return native.run(m["pte"], None, prompt_ids=PROMPT, max_new_tokens=new,
+                      extra_args=[*native.cache_args(m), "--ignore-eos", "--speculate", "ngram", "--compare-plain",
+                                  *extra])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: build("tiny_llama_offgraph", "verify.enabled=false"),
+    lambda: build("tiny_gemma3_custom", "verify.enabled=false"),     # rings in the program
+    lambda: build("tiny_gemma3_offgraph", "verify.enabled=false"),   # the runtime's rings
+    lambda: build_family("lfm2", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8", "verify.enabled=false"),
+    lambda: build_family("qwen3_next", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8",
+                         "verify.enabled=false"),
+], ids=["llama-offgraph", "gemma3-custom-rings", "gemma3-offgraph-rings", "lfm2-offgraph", "qwen3_next-offgraph"])
+def test_greedy_speculation_keeps_the_plain_tokens(native_bins, make):
+    m = make()
+    new = min(42, m["config"]["export"]["max_context_len"] - len(PROMPT) - 1)  # gemma3: 56 positions, past the ring
+    stats = _speculate(m, new)
+    spec = stats["speculation"]
+    assert spec["identical"] is True and spec["drafted"] > 0 and spec["speedup"] > 0, spec
+    assert len(stats["generated_ids"]) == new
+    python = Session(open_for_generation(Path(m["pte"]), CachePolicy()), Speculation()).generate(PROMPT, new,
+                                                                                                Sampler())
+    assert python["generated_ids"][:new] == stats["generated_ids"][:len(python["generated_ids"])]
+
+
+def test_what_cannot_speculate_is_refused_before_any_token(native_bins):
+    last = build("tiny_llama_offgraph", "verify.enabled=false", "export.logits_mode=last")
+    with pytest.raises(native.NativeRunError, match="export.logits_mode=selected"):
+        _speculate(last, 8)
+    with pytest.raises(native.NativeRunError, match="at most 15 drafts"):
+        _speculate(build("tiny_llama_offgraph", "verify.enabled=false"), 8, "--draft-max", "16")
+    hybrid = build_family("lfm2", "xnnpack", "custom", "fp32", "export.prefill_chunk=8", "verify.enabled=false")
+    with pytest.raises(native.NativeRunError, match="recurrent state inside the program.*cache.mode=offgraph"):
+        _speculate(hybrid, 8)
+    bad = subprocess.run([str(native_bins[0]), "--pte", last["pte"], "--prompt-ids", "1,2", "--speculate", "ngram",
+                          "--ngram-min", "3", "--ngram-max", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ngram-min 3" in bad.stderr
