@@ -59,15 +59,23 @@ def open_for_generation(pte: Path, policy):
 class Sampler:
     """Greedy at temperature 0; otherwise temperature, then top-k, then top-p (nucleus), from a seeded generator."""
 
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None):
+    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 constraint=None):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
+        self.constraint = constraint  # pipeline/constrain.py: the grammar masks the logits and takes each token
 
     def __call__(self, logits: torch.Tensor) -> int:
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         if self.temperature <= 0:
-            return int(logits.argmax())
-        probs = self.probs(logits)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+            token = int(logits.argmax())
+        else:
+            probs = self.probs(logits)
+            token = int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        return token
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a token is drawn from (not normalized after top-k / top-p)."""
@@ -91,6 +99,7 @@ class Session:
         self.chunk = getattr(program, "chunk", None) or abi.ints(const(abi.MAX_SEQ_LEN))[0]
         self.context = abi.ints(const(abi.MAX_CONTEXT_LEN))[0]
         self.eos = set(abi.ints(const(abi.EOS_IDS)))
+        self.vocab = abi.ints(const(abi.VOCAB_SIZE))[0]
         self.held: list[int] = []
         self.speculation = speculation
         if speculation is not None:
@@ -149,6 +158,7 @@ class Session:
         token = sample(self._feed(ids[len(self.held):]))
         t1 = time.perf_counter()
         out, stop, spec = [token], "max_new_tokens", None
+        constraint = getattr(sample, "constraint", None)
         on_token(token)
         if self.speculation is not None:
             more, stop, spec = self.speculation.decode(self, token, max_new, sample, on_token)
@@ -160,6 +170,9 @@ class Session:
             if len(out) >= max_new or len(self.held) >= self.context:
                 stop = stop if len(out) >= max_new else "context"
                 break
+            if constraint is not None and constraint.done:
+                stop = "grammar"
+                break
             token = sample(self._feed([token]))
             out.append(token)
             on_token(token)
@@ -170,6 +183,8 @@ class Session:
                  "decode_tok_s": round(decoded / (t2 - t1), 1) if decoded else None}
         if spec is not None:
             stats["speculation"] = spec
+        if constraint is not None:
+            stats["constraint"] = constraint.stats()
         self.last = stats
         return stats
 
@@ -208,6 +223,7 @@ class Text:
         elif tokenizer is not None:
             from tokenizers import Tokenizer
             tok = Tokenizer.from_file(str(tokenizer))
+            self.tokenizer_file = tokenizer
             self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
             self.encode = lambda text: tok.encode(text).ids
             self.encode_plain = lambda text: tok.encode(text, add_special_tokens=False).ids
@@ -216,6 +232,13 @@ class Text:
             raise SystemExit("error: --pte needs --model-dir (tokenizer and chat template) or --tokenizer")
         if chat == "template" and not self.template:
             raise SystemExit("error: --chat template: this tokenizer has no chat template (use --chat raw)")
+
+    def fast_tokenizer(self):
+        """A transformers tokenizer of it (what the grammar engine reads the vocabulary from)."""
+        if hasattr(self, "hf"):
+            return self.hf
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast(tokenizer_file=str(self.tokenizer_file))
 
     def prompt_ids(self, messages: list[dict], history: list[int] = ()) -> list[int]:
         """The ids of a turn: the whole rendering for the first; later turns append only what the template adds
@@ -257,6 +280,9 @@ def report(stats: dict, err=sys.stderr) -> None:
     print(f"\n[stats] prompt {len(stats['prompt_ids'])} tokens ({stats['prompt_tokens_fed']} fed), generated "
           f"{len(stats['generated_ids'])} ({stats['stop_reason']}); TTFT {stats['ttft_ms']} ms, prefill "
           f"{stats['prefill_tok_s']} tok/s, decode {decode}", file=err)
+    if stats.get("constraint"):
+        print(f"[grammar] {stats['constraint']['masks']} masks, {stats['constraint']['mask_ms_per_token']} ms per "
+              "token", file=err)
     spec = stats.get("speculation")
     if spec:
         vs = (f"; {spec['speedup']}x the plain run's {spec['plain_decode_tok_s']} tok/s"
@@ -270,6 +296,11 @@ def report(stats: dict, err=sys.stderr) -> None:
 def turn(session: Session, text: Text, messages: list[dict], args, sample, history: list[int] = ()) -> dict:
     stream = Stream(text, session.eos)
     ids = text.prompt_ids(messages, history)
+    if args.grammar_text is not None:  # a fresh grammar state each turn
+        from pipeline.constrain import Constraint, tokenizer_for
+        if getattr(args, "lltokenizer", None) is None:
+            args.lltokenizer = tokenizer_for(text.fast_tokenizer(), session.vocab)
+        sample.constraint = Constraint(args.grammar_text, args.lltokenizer, session.vocab)
     stats = session.generate(ids, args.max_new_tokens, sample, stream)
     stats["text"] = stream.shown
     if session.speculation is not None and args.compare_plain:
@@ -286,8 +317,12 @@ def compare_plain(session: Session, ids: list[int], args) -> dict:
     speculation, session.speculation = session.speculation, None
     try:
         session.reset()
+        constraint = None
+        if args.grammar_text is not None:  # the plain run under the same grammar
+            from pipeline.constrain import Constraint
+            constraint = Constraint(args.grammar_text, args.lltokenizer, session.vocab)
         plain = session.generate(ids, args.max_new_tokens, Sampler(args.temperature, args.top_k, args.top_p,
-                                                                  args.seed))
+                                                                  args.seed, constraint))
     finally:
         session.speculation = speculation
     rate = plain["decode_tok_s"]
@@ -340,11 +375,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculate", choices=("off", "ngram"), default="off",
                     help="ngram: prompt-lookup speculative decoding (drafts from the context, verified in one forward; "
                          "needs a program built with export.logits_mode=selected or full)")
-    ap.add_argument("--draft-max", type=int, default=6, help="most tokens drafted a step (< the program's chunk)")
+    ap.add_argument("--draft-max", type=int, default=3,
+                    help="most tokens drafted a step (< the program's chunk); above 3, greedy output may differ from "
+                         "plain decoding at near-ties (wider verify steps run other kernels)")
     ap.add_argument("--ngram-min", type=int, default=2, help="shortest n-gram a draft is matched on")
     ap.add_argument("--ngram-max", type=int, default=4, help="longest n-gram a draft is matched on")
     ap.add_argument("--compare-plain", action="store_true",
                     help="with --speculate: run each turn again without it and report the speedup")
+    constrain = ap.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", help="a JSON schema file: the output is JSON that validates against it")
+    constrain.add_argument("--grammar", help="a grammar file, GBNF (with ::=) or Lark: the output parses by it")
     ap.add_argument("--kv-max-capacity", type=int, help="runtime-owned cache: positions (default: the context)")
     ap.add_argument("--kv-initial-capacity", type=int, help="runtime-owned cache: flat pools start here")
     ap.add_argument("--kv-windows", help="runtime-owned cache: a window pattern, e.g. 512,512,0 (0 = flat)")
@@ -377,14 +417,27 @@ def main(argv=None) -> int:
     if not pte.exists():
         print(f"error: {pte}: no such program", file=sys.stderr)
         return 1
+    args.grammar_text = None
+    if args.json_schema or args.grammar:  # a bad schema or grammar is refused before the program loads
+        from pipeline.constrain import ConstraintError, grammar_text
+        try:
+            args.grammar_text = grammar_text(args.json_schema and Path(args.json_schema),
+                                             args.grammar and Path(args.grammar))
+        except ConstraintError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     speculation = None
     if args.speculate == "ngram":
-        from pipeline.speculate import Speculation
+        from pipeline.speculate import EXACT_ROWS, Speculation
         if args.draft_max < 1 or not 1 <= args.ngram_min <= args.ngram_max:
             print(f"error: --draft-max {args.draft_max} must be >= 1 and --ngram-min {args.ngram_min} <= --ngram-max "
                   f"{args.ngram_max}, both >= 1", file=sys.stderr)
             return 2
         speculation = Speculation(args.draft_max, args.ngram_min, args.ngram_max)
+        if args.draft_max > EXACT_ROWS - 1:
+            print(f"[speculate] --draft-max {args.draft_max}: verify steps wider than {EXACT_ROWS} rows run other "
+                  "kernels, whose logits differ from a decode step's by rounding: greedy output may differ from "
+                  "plain decoding at near-ties", file=sys.stderr)
     text = Text(model_dir, tokenizer, args.chat)
     try:
         session = Session(open_for_generation(pte, cache_policy(args)), speculation)

@@ -21,6 +21,12 @@ from typing import Callable, Optional
 import torch
 
 
+# A verify step of up to EXACT_ROWS rows computes each row bit for bit as a decode step would (the attention splits a
+# row's keys by its own keys; XNNPACK's GEMMs of up to 4 rows match its 1-row path), so greedy output is
+# token-identical to plain decoding; wider steps take other kernels whose rows differ by rounding.
+EXACT_ROWS = 4
+
+
 class NgramDrafter:
     """The continuation of the latest earlier occurrence of the context's last n tokens, n from n_max down to n_min.
     An index per n maps an n-gram to where its latest continuation starts, kept up to date as tokens arrive."""
@@ -89,20 +95,34 @@ class DraftBudget:
 
 
 def accept(rows: torch.Tensor, draft: list[int], sampler) -> tuple[int, int]:
-    """(drafted tokens kept, the token after them) from the verify rows [k + 1, V]: row i scores d_{i+1}."""
-    if sampler.temperature <= 0:
+    """(drafted tokens kept, the token after them) from the verify rows [k + 1, V]: row i scores d_{i+1}. With a
+    grammar (sampler.constraint), row i is masked in the grammar's state after d_1..d_i, and every token kept is
+    given to it."""
+    c = getattr(sampler, "constraint", None)
+    if sampler.temperature <= 0 and c is None:
         best = rows.argmax(-1).tolist()
         a = 0
         while a < len(draft) and best[a] == draft[a]:
             a += 1
         return a, best[a]
     for i, d in enumerate(draft):
-        p = sampler.probs(rows[i])
-        p = p / p.sum()
-        if float(torch.rand((), generator=sampler.gen)) < float(p[d]):
-            continue
-        p[d] = 0.0  # the residual max(0, p - q) of a draft q that is d for sure
-        return i, int(torch.multinomial(p / p.sum(), 1, generator=sampler.gen))
+        row = rows[i] if c is None else c.mask(rows[i])
+        if sampler.temperature <= 0:
+            token = int(row.argmax())
+            if token != d:
+                c.consume(token)
+                return i, token
+        else:
+            p = sampler.probs(row)
+            p = p / p.sum()
+            if float(torch.rand((), generator=sampler.gen)) >= float(p[d]):
+                p[d] = 0.0  # the residual max(0, p - q) of a draft q that is d for sure
+                token = int(torch.multinomial(p / p.sum(), 1, generator=sampler.gen))
+                if c is not None:
+                    c.consume(token)
+                return i, token
+        if c is not None:
+            c.consume(d)
     return len(draft), sampler(rows[len(draft)])
 
 
@@ -114,7 +134,7 @@ def _stats(drafted: int, accepted: int, steps: int) -> dict:
 @dataclass
 class Speculation:
     """`--speculate ngram` with its flags; `decode` runs a session's decode loop with it."""
-    draft_max: int = 6
+    draft_max: int = EXACT_ROWS - 1
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
@@ -129,6 +149,7 @@ class Speculation:
         drafter = self.drafter() if self.drafter else NgramDrafter(self.ngram_min, self.ngram_max)
         drafter.extend(session.held + [token])
         out, emitted, drafted, accepted, steps = [], 1, 0, 0, 0
+        constraint = getattr(sample, "constraint", None)
         stop = None
         while stop is None:
             if token in session.eos:
@@ -137,11 +158,15 @@ class Speculation:
                 stop = "max_new_tokens"
             elif len(session.held) >= session.context:
                 stop = "context"
+            elif constraint is not None and constraint.done:
+                stop = "grammar"
             if stop:
                 break
             room = min(max_new - emitted - 1, session.context - len(session.held) - 1)
             k = max(0, min(budget.choose() if self.adaptive else k_max, room))
             draft = drafter.draft(k)
+            if constraint is not None:  # checked against the grammar first: a constrained run still speculates
+                draft = constraint.valid_prefix(draft)
             t0 = time.perf_counter()
             if draft:
                 rows = session.verify([token] + draft)

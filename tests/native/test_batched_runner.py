@@ -382,3 +382,26 @@ def test_gemma3_reference_batched_prefix_check_verbatim(kind, gemma3_offgraph, b
     assert [g["cached_tokens"] for g in gens] == [0, 0, n - 1, n - 1]
     assert all(g["generated_ids"] == gens[0]["generated_ids"] for g in gens) and len(gens) == 4
     assert engine["cache_kind"] == kind and all(p["identical"] for p in engine["parity"])
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemma3_speculation_keeps_single_session_tokens(kind, gemma3_offgraph, batched_bins, native_bins):
+    """--speculate ngram in the batched runner on gemma-3-270m off-graph (the shared CI build): a prompt that copies
+    its text (drafts kept and rejected) beside a question, sharing forwards; each session's greedy tokens equal a
+    plain single-session llm_runner run's."""
+    m = gemma3_offgraph
+    prompts = ["Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank.",
+               "What is the capital of France?"]
+    proc = run_batched(batched_bins, "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--chat", "gemma",
+                       "--cache-kind", kind, "--max-new-tokens", 40, "--quiet", "--speculate", "ngram", *prompts,
+                       timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gens, engine = reports(proc)
+    assert 0 < engine["accepted"] < engine["drafted"], engine
+    for p, g in zip(prompts, gens):
+        single = subprocess.run([str(native_bins[0]), "--pte", m["pte"], "--tokenizer", m["tokenizer"], "--chat",
+                                 "gemma", "--kv-max-capacity", "1024", "--max-new-tokens", "40", "--quiet", "--prompt",
+                                 p], capture_output=True, text=True, timeout=900)
+        (line,) = [ln for ln in single.stderr.splitlines() if ln.startswith("STATS_JSON: ")]
+        assert g["generated_ids"] == json.loads(line.split("STATS_JSON: ", 1)[1])["generated_ids"], p

@@ -6,6 +6,7 @@ drafts are mostly kept: rejections at every depth are tests/test_speculate.py's 
 real default program's in tests/e2e/test_smollm2.py.)"""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -66,3 +67,28 @@ def test_what_cannot_speculate_is_refused_before_any_token(native_bins):
     bad = subprocess.run([str(native_bins[0]), "--pte", last["pte"], "--prompt-ids", "1,2", "--speculate", "ngram",
                           "--ngram-min", "3", "--ngram-max", "2"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ngram-min 3" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["batched-sequence", "batched-cell"])
+@pytest.mark.parametrize("make", [
+    lambda: build("tiny_gemma3_offgraph", "verify.enabled=false"),   # rings, wrapped
+    lambda: build_family("lfm2", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8", "verify.enabled=false"),
+], ids=["gemma3-rings", "lfm2-states"])
+def test_the_batched_runner_speculates_with_each_sessions_tokens(native_bins, make, kind):
+    """Three sessions sharing forwards, each verifying its own draft: the greedy tokens of each equal a plain
+    single-session run's; a hybrid's states are restored and its kept tokens fed again (the replay step)."""
+    m = make()
+    prompts = [PROMPT, PROMPT[:9], [9, 8, 7, 6, 9, 8, 7, 5, 9, 8]]
+    new = m["config"]["export"]["max_context_len"] - len(PROMPT) - 2
+    proc = subprocess.run([str(Path(native_bins[0]).parent / "llm_batched_runner"), "--pte", m["pte"], "--ids",
+                           "--quiet", "--cache-kind", kind, "--max-new-tokens", str(new), "--ignore-eos",
+                           "--speculate", "ngram", *(",".join(map(str, p)) for p in prompts)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    gens = [json.loads(ln.split(": ", 1)[1]) for ln in proc.stderr.splitlines() if ln.startswith("GEN_JSON: ")]
+    (engine,) = [json.loads(ln.split(": ", 1)[1]) for ln in proc.stderr.splitlines() if ln.startswith("ENGINE_JSON: ")]
+    assert engine["drafted"] > 0 and engine["accepted"] > 0, engine
+    for p, g in zip(prompts, gens):
+        plain = native.run(m["pte"], None, prompt_ids=p, max_new_tokens=new,
+                           extra_args=[*native.cache_args(m), "--ignore-eos"])
+        assert g["generated_ids"] == plain["generated_ids"], p

@@ -54,6 +54,8 @@ void EngineStats::add(const EngineStats& o) {
   prefill_tokens += o.prefill_tokens;
   decode_tokens += o.decode_tokens;
   generated += o.generated;
+  drafted += o.drafted;
+  accepted += o.accepted;
   peak_sessions = std::max(peak_sessions, o.peak_sessions);
   peak_kv_bytes = std::max(peak_kv_bytes, o.peak_kv_bytes);
 }
@@ -68,6 +70,12 @@ struct Engine::Session {
   bool done = false;
   uint64_t served = 0;    // clock of the last step that gave it logits
   Clock::time_point admitted, first_token, last_token;
+  // speculation: the drafter over its context, its draft budget, this step's draft, the tokens to feed again after
+  // a recurrent state's restore, and the snapshot taken before a verify step
+  std::unique_ptr<speculate::NgramDrafter> drafter;
+  std::unique_ptr<speculate::DraftBudget> budget;
+  std::vector<int64_t> draft, replay;
+  offgraph::OffgraphKvCache::Snapshot snap;
 
   Session(const Request& r, const EngineOptions& o)
       : sampler(o.temperature, o.top_p, o.top_k, o.seed + static_cast<uint64_t>(r.prompt)) {
@@ -84,6 +92,15 @@ Engine::Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int6
     throw std::invalid_argument("rows per forward must be in [1, " + std::to_string(program.info().max_seq_len) +
                                 "], got " + std::to_string(chunk_));
   if (o_.max_decode_sequences < 1) throw std::invalid_argument("--max-decode-sequences must be >= 1");
+  if (o_.speculate.on && !full_)
+    throw std::invalid_argument(std::string("--speculate: this program returns the last row's logits only (logits "
+                                            "mode ") + logits_mode_name(program.info().logits_mode) +
+                                "); speculation verifies a draft in one forward and needs every row's: rebuild with "
+                                "export.logits_mode=selected (or full)");
+  if (o_.speculate.on && o_.speculate.draft_max > chunk_ - 1)
+    throw std::invalid_argument("--draft-max " + std::to_string(o_.speculate.draft_max) + ": a session's verify "
+                                "rows (its last token and the draft) fit in a forward of " + std::to_string(chunk_) +
+                                " rows: at most " + std::to_string(chunk_ - 1) + " drafts");
   if (o_.cache_kind == CacheKind::cell)
     pool_ = std::make_unique<CellPool>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype,
                                        o_.states);
@@ -163,8 +180,26 @@ std::vector<Engine::Piece> Engine::plan_step() {
   if (full_) {
     const int64_t keep = pre.empty() || chunk_ == 1 ? 0 : 1;  // a row for the waiting prompts
     const int64_t nd = std::min<int64_t>(static_cast<int64_t>(dec.size()), rows - keep);
-    for (int64_t i = 0; i < nd; ++i) step.push_back({dec[i], 1, true});
-    rows -= nd;
+    for (int64_t i = 0; i < nd; ++i) {
+      Session* s = dec[i];
+      const int64_t replay = static_cast<int64_t>(s->replay.size());
+      if (replay > 0 && replay <= rows - keep) {  // a restored state's kept tokens, fed again before it decodes
+        s->draft.clear();
+        step.push_back({s, replay, false});
+        rows -= replay;
+      } else if (replay == 0 && rows > keep) {
+        s->draft.clear();
+        step.push_back({s, 1, true});
+        rows -= 1;
+      }
+    }
+    if (o_.speculate.on)  // the rows left go to drafts, least recently served session first
+      for (Piece& p : step) {
+        if (!p.logits || rows - keep <= 0) continue;
+        p.s->draft = p.s->drafter->draft(std::min(draft_room(*p.s), rows - keep));
+        p.n += static_cast<int64_t>(p.s->draft.size());
+        rows -= static_cast<int64_t>(p.s->draft.size());
+      }
     for (Session* s : pre) {
       if (rows == 0) break;
       const int64_t m = std::min(rows, prefill_room(*s));
@@ -206,17 +241,26 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
   tokens_.clear();
   positions_.clear();
   logit_rows_.clear();
-  int64_t decode_rows = 0;
+  int64_t decode_rows = 0, decode_tokens = 0;
   for (const Piece& p : step) {
     Session& s = *p.s;
     const int64_t pos = s.cache->length();
     batch.groups.push_back({s.cache.get(), pos, p.n});
     for (int64_t i = 0; i < p.n; ++i) {
-      tokens_.push_back(s.decoding ? s.pending : s.gen.req.ids[static_cast<size_t>(s.fed + i)]);
+      int64_t t;
+      if (!s.decoding) t = s.gen.req.ids[static_cast<size_t>(s.fed + i)];
+      else if (!s.replay.empty()) t = s.replay[static_cast<size_t>(i)];
+      else t = i == 0 ? s.pending : s.draft[static_cast<size_t>(i - 1)];
+      tokens_.push_back(t);
       positions_.push_back(pos + i);
+      if (p.logits && (i == p.n - 1 || (s.decoding && !s.draft.empty()))) logit_rows_.push_back(
+          static_cast<int64_t>(tokens_.size()) - 1);
     }
-    if (p.logits) logit_rows_.push_back(static_cast<int64_t>(tokens_.size()) - 1);
-    if (s.decoding) ++decode_rows;
+    if (s.decoding) decode_rows += p.n;
+    if (s.decoding && !s.draft.empty() && s.cache->recurrent()) {  // a verify step: the state it cannot rewind
+      s.snap.length = pos;
+      s.snap.states = *s.cache->recurrent();
+    }
   }
   const int64_t n = static_cast<int64_t>(tokens_.size());
   const std::vector<float>* logits = nullptr;
@@ -234,10 +278,17 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
     Session& s = *p.s;
     const int64_t pos = s.cache->length();
     s.cache->commit(pos, p.n);
-    const float* row = p.logits ? logits->data() + static_cast<int64_t>(li++) * V : nullptr;
-    if (p.logits) s.served = clock_;
+    const float* row = p.logits ? logits->data() + static_cast<int64_t>(li) * V : nullptr;
+    if (p.logits) {
+      s.served = clock_;
+      li += s.decoding && !s.draft.empty() ? static_cast<size_t>(p.n) : 1;
+    }
     if (s.decoding) {
-      accept(s, s.sampler.sample(row, V));
+      const size_t before = s.gen.generated.size();
+      if (!s.replay.empty()) s.replay.clear();
+      else if (o_.speculate.on) accept_verified(s, pos, p.n, row, st);
+      else accept(s, s.sampler.sample(row, V));
+      decode_tokens += static_cast<int64_t>(s.gen.generated.size() - before);
       continue;
     }
     s.fed += p.n;
@@ -250,19 +301,26 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
     // right after the prefill, before decode writes into any ring
     if (o_.states.empty() && prefix_.enabled()) capture(s, s.gen.req.ids, &capture_ms);
     s.decoding = true;
+    if (o_.speculate.on) {
+      s.drafter = std::make_unique<speculate::NgramDrafter>(o_.speculate.ngram_min, o_.speculate.ngram_max);
+      s.drafter->extend(s.gen.req.ids);
+      // the cost of a row in a shared forward, not a forward of its own: each draft token a tenth of a step
+      s.budget = std::make_unique<speculate::DraftBudget>(o_.speculate.draft_max);
+      s.budget->timed(1, 1.0);
+    }
     if (o_.max_new_tokens == 0) {
       s.gen.ttft_ms = ms_between(s.admitted, Clock::now());
       finish(s, "max_new_tokens");
       continue;
     }
-    accept(s, s.sampler.sample(row, V));
+    if (accept(s, s.sampler.sample(row, V)) && s.drafter) s.drafter->push(s.pending);
   }
   const double ms = ms_between(t0, Clock::now()) - capture_ms;
   ++clock_;
   ++st->forwards;
   st->rows += n;
   st->max_rows = std::max(st->max_rows, n);
-  st->decode_tokens += decode_rows;
+  st->decode_tokens += decode_tokens;
   st->decode_ms += ms * static_cast<double>(decode_rows) / static_cast<double>(n);
   st->capture_ms += capture_ms;
 }
@@ -294,6 +352,48 @@ bool Engine::accept(Session& s, int64_t token) {
     return true;
   }
   return false;
+}
+
+int64_t Engine::draft_room(const Session& s) const {
+  // after the pending token: tokens left in the budget, and the cache's room with a position to spare (a stop on a
+  // full cache is judged after the rollback, as in a plain step)
+  const int64_t left = o_.max_new_tokens - static_cast<int64_t>(s.gen.generated.size()) - 1;
+  const int64_t room = s.cache->capacity() - s.cache->length() - 2;
+  return std::max<int64_t>(0, std::min({s.budget->choose(), o_.speculate.draft_max, left, room}));
+}
+
+void Engine::accept_verified(Session& s, int64_t pos, int64_t n, const float* rows, EngineStats* st) {
+  const int64_t V = prog_.info().vocab_size, k = static_cast<int64_t>(s.draft.size()), first = s.pending;
+  auto [a, after] = speculate::accept_drafts(const_cast<float*>(rows), V, s.draft, s.sampler);  // not written
+  std::vector<int64_t> kept(s.draft.begin(), s.draft.begin() + a);
+  kept.push_back(after);
+  int64_t m = 0;
+  bool going = true;
+  for (int64_t t : kept) {
+    ++m;
+    if (!(going = accept(s, t))) break;
+  }
+  if (k > 0) {
+    s.gen.spec.drafted += k;
+    s.gen.spec.accepted += a;
+    ++s.gen.spec.verify_steps;
+    st->drafted += k;
+    st->accepted += a;
+    s.budget->drafted(k, a);
+  } else {
+    s.budget->plain_step();
+  }
+  if (!going) return;
+  for (int64_t i = 0; i < m; ++i) s.drafter->push(kept[static_cast<size_t>(i)]);
+  if (m == n) return;  // the cache holds [pending, d1..d_{m-1}]: rewind past the rest
+  std::string why;
+  if (s.cache->recurrent()) {  // the state before the step, then [pending, d1..d_{m-1}] again in a step of their own
+    if (!s.cache->restore(s.snap, &why)) return fail(s, "speculation: " + why);
+    s.replay.assign(1, first);
+    s.replay.insert(s.replay.end(), s.draft.begin(), s.draft.begin() + (m - 1));
+    return;
+  }
+  if (!s.cache->rewind(pos + m, &why)) fail(s, "speculation: " + why);
 }
 
 void Engine::finish(Session& s, const std::string& reason) {

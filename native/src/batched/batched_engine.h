@@ -16,6 +16,10 @@
 //     recently served of the decoding sessions and the prompts that can end in this step (decoders
 //     win ties); prompt pieces that do not end their prompt ride along before it. Decode tokens are
 //     then one per forward, but prefill shares the decode forwards.
+// Speculation (--speculate ngram, `full` or `selected` programs): a decoding session's row group is its pending token
+// and a draft from its own context (speculate.h), every row with logits; the session keeps what the acceptance rule
+// keeps and rewinds its cache past the rest. A recurrent state is snapshot before the step and restored, and the kept
+// tokens are fed again as a step of their own (no logits: the next token is already known).
 // A prompt's snapshot is captured right after the step that ends its prefill, before any decode. With recurrent
 // layers (a hybrid program), whose state holds one position only, it is captured one token earlier: the prompt's
 // last token gets a step of its own, so that the same prompt again, or one that extends it, resumes from the
@@ -33,6 +37,7 @@
 #include "batched/session_cache.h"
 #include "runtime/llm_program.h"
 #include "runtime/sampler.h"
+#include "runtime/speculate.h"
 
 namespace llmrt {
 
@@ -52,6 +57,7 @@ struct EngineOptions {
   size_t prefix_cache_entries = 0;
   int64_t shared_layers = 0;  // KV-shared layers (get_n_shared_layers): they read their source's cache
   std::vector<offgraph::StateSpec> states;  // recurrent layers (get_state_shapes): one state per session
+  speculate::Options speculate;             // --speculate ngram: each decoding session's rows carry its draft
 };
 
 struct Request {
@@ -68,6 +74,7 @@ struct Generation {
   std::vector<std::string> prefix_refusals;
   std::vector<int64_t> generated;  // a final stop token included
   std::string stop_reason;
+  speculate::Stats spec;           // --speculate ngram
   double queued_ms = 0, ttft_ms = 0, decode_ms = 0;  // decode: first token -> last token
   double decode_ms_per_token() const {
     return generated.size() > 1 ? decode_ms / static_cast<double>(generated.size() - 1) : 0.0;
@@ -77,6 +84,7 @@ struct Generation {
 struct EngineStats {
   double wall_ms = 0, decode_ms = 0, capture_ms = 0;  // decode: forward time shared out by rows
   int64_t forwards = 0, rows = 0, max_rows = 0, prefill_tokens = 0, decode_tokens = 0, generated = 0;
+  int64_t drafted = 0, accepted = 0;  // --speculate ngram
   int64_t peak_sessions = 0, peak_kv_bytes = 0;
   double decode_tok_s() const { return decode_ms > 0 ? decode_tokens * 1000.0 / decode_ms : 0.0; }
   void add(const EngineStats& o);
@@ -104,7 +112,7 @@ class Engine {
   struct Piece {
     Session* s;
     int64_t n;    // rows
-    bool logits;  // needs the logits of its last row
+    bool logits;  // needs the logits of its last row (a speculating session: of every row)
   };
 
   std::unique_ptr<SessionCache> new_cache();
@@ -116,6 +124,10 @@ class Engine {
   void execute(std::vector<Piece>& step, EngineStats* stats);
   // Takes the token sampled for s; false once the session is done.
   bool accept(Session& s, int64_t token);
+  // A speculating session's verify rows (1 + its draft): the tokens kept, the cache rolled back past the rest.
+  void accept_verified(Session& s, int64_t pos, int64_t n, const float* rows, EngineStats* st);
+  // Draft tokens s may take this step: its budget, its tokens left, its cache room.
+  int64_t draft_room(const Session& s) const;
   void finish(Session& s, const std::string& reason);
   void fail(Session& s, const std::string& error);
   int64_t kv_bytes() const;

@@ -85,6 +85,7 @@ void print_help() {
       "  --huge-pages on|off         back the weights XNNPACK packs and the KV cache with 2 MiB\n"
       "                              pages after the load (Linux >= 6.1): faster decode (default: on)\n"
       "%s"
+      "%s"
       "  --help                      this text\n"
       "\n"
       "Every flag also takes underscores, as the reference spells them: --max_new_tokens,\n"
@@ -100,7 +101,7 @@ void print_help() {
       static_cast<long long>(d.kv_initial_capacity), d.temperature, d.top_p, static_cast<long long>(d.top_k),
       static_cast<long long>(d.seed), static_cast<long long>(d.prefix_cache_entries),
       static_cast<long long>(d.prompt_rounds), static_cast<long long>(d.threads),
-      cli::verify_pte_help(30).c_str());
+      cli::speculate_help(30).c_str(), cli::verify_pte_help(30).c_str());
 }
 
 Options parse_args(int argc, char** argv, bool* help) {
@@ -147,6 +148,8 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (o.prefix_cache_entries < 0) throw UsageError("--prefix-cache-entries must be >= 0 (0 = off)");
   if (o.prompt_rounds < 1) throw UsageError("--prompt-rounds must be >= 1");
   o.check_threads();
+  o.check_speculate();
+  if (o.compare_plain) throw UsageError("--compare-plain is llm_runner's (run the batch again without --speculate)");
   if (!o.chat.empty()) try {
     chat_template(o.chat);
   } catch (const std::invalid_argument& e) {
@@ -204,6 +207,9 @@ json gen_json(const Generation& g, const std::string& text) {
   j["decode_ms"] = g.decode_ms;
   j["decode_ms_per_token"] = g.decode_ms_per_token();
   j["prefix_refusals"] = g.prefix_refusals;
+  if (g.spec.verify_steps > 0 || g.spec.drafted > 0)
+    j["speculation"] = {{"drafted", g.spec.drafted}, {"accepted", g.spec.accepted},
+                        {"verify_steps", g.spec.verify_steps}};
   return j;
 }
 
@@ -222,6 +228,8 @@ json engine_json(const EngineStats& s) {
   j["peak_sessions"] = s.peak_sessions;
   j["kv_bytes_peak"] = s.peak_kv_bytes;
   j["snapshot_ms"] = s.capture_ms;
+  j["drafted"] = s.drafted;
+  j["accepted"] = s.accepted;
   return j;
 }
 
@@ -308,6 +316,7 @@ int run(const Options& given) {
   eo.seed = o.seed;
   eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
   eo.shared_layers = g.n_shared;
+  eo.speculate = o.speculate;
   if (prog.has_method("get_state_shapes")) {  // recurrent layers: a state per session
     const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
     eo.states = offgraph::state_specs(dims.data(), dims.size());

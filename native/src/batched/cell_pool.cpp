@@ -192,6 +192,15 @@ bool CellCache::step_slots(int layer, int64_t pos, int64_t T, offgraph::StepSlot
   return true;
 }
 
+int64_t CellCache::rings_floor() const {
+  int64_t floor = 0;
+  for (int l = 0; l < pool_.n_layers(); ++l) {
+    const int64_t ring = pool_.ring(pool_.group_of(l));
+    if (ring > 0) floor = std::max(floor, offgraph::ring_rewind_floor(length_, ring, pool_.spec(l).window));
+  }
+  return floor;
+}
+
 bool CellCache::can_rewind(int64_t target, std::string* why) const {
   if (target < 0 || target > length_) {
     if (why) *why = "cannot rewind to " + std::to_string(target) + " (length " + std::to_string(length_) + ")";
@@ -199,11 +208,7 @@ bool CellCache::can_rewind(int64_t target, std::string* why) const {
   }
   if (target == 0) return true;
   if (!states_.rewind_ok(length_, target, why)) return false;
-  int64_t floor = 0;
-  for (int l = 0; l < pool_.n_layers(); ++l) {
-    const int64_t ring = pool_.ring(pool_.group_of(l));
-    if (ring > 0) floor = std::max(floor, offgraph::ring_rewind_floor(length_, ring, pool_.spec(l).window));
-  }
+  const int64_t floor = rings_floor();
   if (target < floor) {
     if (why)
       *why = "cannot rewind to " + std::to_string(target) +
@@ -214,8 +219,7 @@ bool CellCache::can_rewind(int64_t target, std::string* why) const {
   return true;
 }
 
-bool CellCache::rewind(int64_t target, std::string* why) {
-  if (!can_rewind(target, why)) return false;
+void CellCache::drop_from(int64_t target) {
   for (int g = 0; g < pool_.n_groups(); ++g) {
     if (pool_.ring(g) > 0) continue;
     auto& t = tables_[g];
@@ -224,6 +228,24 @@ bool CellCache::rewind(int64_t target, std::string* why) {
     if (static_cast<int64_t>(t.size()) > target) t.resize(static_cast<size_t>(target));
   }
   length_ = target;
+}
+
+bool CellCache::rewind(int64_t target, std::string* why) {
+  if (!can_rewind(target, why)) return false;
+  drop_from(target);
+  return true;
+}
+
+bool CellCache::restore(const offgraph::OffgraphKvCache::Snapshot& s, std::string* why) {
+  const int64_t floor = rings_floor();
+  if (s.length > length_ || (s.length > 0 && s.length < floor)) {
+    if (why)
+      *why = "cannot restore a snapshot at " + std::to_string(s.length) + " (length " + std::to_string(length_) +
+             ", lowest safe target " + std::to_string(floor) + ")";
+    return false;
+  }
+  states_ = s.states;
+  drop_from(s.length);
   return true;
 }
 

@@ -98,6 +98,7 @@ class CellCache final : public SessionCache {
   void commit(int64_t pos, int64_t T) override { length_ = std::max(length_, pos + T); }
   bool can_rewind(int64_t target, std::string* why) const override;
   bool rewind(int64_t target, std::string* why) override;
+  bool restore(const offgraph::OffgraphKvCache::Snapshot& s, std::string* why) override;
   std::unique_ptr<SessionCache> clone() const override { return std::make_unique<CellCache>(*this); }
   // Its recurrent states (its cells are the pool's to count).
   int64_t bytes() const override { return states_.bytes(); }
@@ -110,6 +111,9 @@ class CellCache final : public SessionCache {
  private:
   CellPool& pool_;
   std::vector<std::vector<int32_t>> tables_;  // per group: flat position -> cell, ring slot -> cell
+  // Lowest nonzero length the rings can go back to; the cells at and after `target` released.
+  int64_t rings_floor() const;
+  void drop_from(int64_t target);
   offgraph::RecurrentStates states_;
   int64_t length_ = 0;
 };

@@ -34,6 +34,9 @@ class SessionCache : public offgraph::StepKv {
   virtual void commit(int64_t pos, int64_t T) = 0;
   virtual bool can_rewind(int64_t target, std::string* why) const = 0;
   virtual bool rewind(int64_t target, std::string* why) = 0;
+  // Back to a speculation snapshot (a length and the recurrent states then): the states copied back, the attention
+  // caches rewound to that length (not below what the rings hold). False + why otherwise.
+  virtual bool restore(const offgraph::OffgraphKvCache::Snapshot& s, std::string* why) = 0;
   // An independent session in the current state.
   virtual std::unique_ptr<SessionCache> clone() const = 0;
   // K/V bytes held by this session alone (cells of a shared pool are counted by the pool: 0).
@@ -58,6 +61,9 @@ class SequenceCache final : public SessionCache {
   void commit(int64_t pos, int64_t T) override { cache_.commit(pos, T); }
   bool can_rewind(int64_t target, std::string* why) const override { return cache_.can_rewind(target, why); }
   bool rewind(int64_t target, std::string* why) override { return cache_.rewind(target, why); }
+  bool restore(const offgraph::OffgraphKvCache::Snapshot& s, std::string* why) override {
+    return cache_.restore(s, why);
+  }
   std::unique_ptr<SessionCache> clone() const override { return std::make_unique<SequenceCache>(*this); }
   int64_t bytes() const override { return cache_.bytes(); }
   offgraph::RecurrentStates* recurrent() override { return cache_.states().empty() ? nullptr : &cache_.states(); }

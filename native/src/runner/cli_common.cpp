@@ -125,6 +125,11 @@ void CommonOptions::check_speculate() const {
     throw UsageError("--ngram-min " + std::to_string(speculate.ngram_min) + " / --ngram-max " +
                      std::to_string(speculate.ngram_max) + ": need 1 <= min <= max <= 64");
   if (compare_plain && !speculate.on) throw UsageError("--compare-plain needs --speculate ngram");
+  if (speculate.on && speculate.draft_max > speculate::kExactRows - 1)
+    std::fprintf(stderr, "[speculate] --draft-max %lld: verify steps wider than %lld rows run other kernels, whose "
+                 "logits differ from a decode step's by rounding: greedy output may differ from plain decoding at "
+                 "near-ties\n", static_cast<long long>(speculate.draft_max),
+                 static_cast<long long>(speculate::kExactRows));
 }
 
 void CommonOptions::check_max_new_tokens() const {
@@ -205,7 +210,8 @@ std::string speculate_help(int width) {
                                            "context, verified in one forward (a program exported with\n" + pad +
                                            "export.logits_mode=selected or full) (default: off)\n") +
          line("--draft-max K", "most tokens drafted a step, below the program's chunk; the\n" + pad +
-                                   "draft adapts to the acceptance rate (default: " +
+                                   "draft adapts to the acceptance rate; above 3, greedy output\n" + pad +
+                                   "may differ from plain decoding at near-ties (default: " +
                                    std::to_string(d.draft_max) + ")\n") +
          line("--ngram-min N", "shortest n-gram a draft is matched on (default: " + std::to_string(d.ngram_min) +
                                    ")\n") +

@@ -5,6 +5,7 @@
 // to the interactive loop. Beside it: runner_options (flags, --help), turn_runner (prefill + decode),
 // turn_report (stats JSON, report lines), interactive_session (the stdin loop).
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -179,7 +180,15 @@ int run(const Options& given) {
                li.load_ms, li.threads);
 
   if (o.speculate.on) check_speculation(o, prog, cache, chunk);
+  std::unique_ptr<GrammarSidecar> grammar;
+  if (!o.json_schema.empty() || !o.grammar.empty()) {  // compiled now: a bad schema is refused before any token
+    const char* py = std::getenv("LLMPIPE_PYTHON");
+    grammar = std::make_unique<GrammarSidecar>(py && *py ? py : "python3", o.tokenizer, info.vocab_size,
+                                               o.json_schema.empty() ? "--grammar" : "--json-schema",
+                                               o.json_schema.empty() ? o.grammar : o.json_schema);
+  }
   Runner runner(o, prog, cache, tok.get(), chunk);
+  runner.set_grammar(grammar.get());
   for (int64_t id : info.eos_ids)
     if (!o.ignore_eos) runner.add_stop(id);
   if (!tpl.raw && tok && !o.ignore_eos) {

@@ -32,6 +32,11 @@ void print_help() {
       "  --top-k K             top-k sampling, 0 = off (default: %lld)\n"
       "  --seed S              sampling seed (default: %llu)\n"
       "  --warmup              run one untimed prefill chunk + decode step first (default: off)\n"
+      "  --json-schema FILE    the output is JSON valid against this schema (llguidance, in a\n"
+      "                        Python sidecar: python -m pipeline.constrain_sidecar; the Python\n"
+      "                        is $LLMPIPE_PYTHON or python3) (default: none)\n"
+      "  --grammar FILE        the output parses by this grammar, GBNF (with ::=) or Lark, as\n"
+      "                        --json-schema (default: none)\n"
       "  --ignore-eos          generate the whole budget, stop tokens included (benchmarks)\n"
       "                        (default: off)\n"
       "  --interactive         multi-turn chat on stdin; commands: /reset, /undo [N], /quit\n"
@@ -106,6 +111,8 @@ Options parse_args(int argc, char** argv, bool* help) {
       o.prompt_ids = args.value();
       o.has_prompt_ids = true;
     } else if (a == "--kv-max-capacity") o.kv_max_capacity = parse_int(a, args.value());
+    else if (a == "--json-schema") o.json_schema = args.value();
+    else if (a == "--grammar") o.grammar = args.value();
     else if (a == "--warmup") { args.no_value(); o.warmup = true; }
     else if (a == "--interactive") { args.no_value(); o.interactive = true; }
     else if (a == "--encode") { args.no_value(); o.encode = true; }
@@ -120,6 +127,9 @@ Options parse_args(int argc, char** argv, bool* help) {
   if (o.kv_flags && o.kv_max_capacity == 0)
     throw UsageError("--kv-initial-capacity, --kv-storage-dtype and --kv-windows need --kv-max-capacity");
   if (o.has_prompt && o.has_prompt_ids) throw UsageError("give --prompt or --prompt-ids, not both");
+  if (!o.json_schema.empty() && !o.grammar.empty()) throw UsageError("give --json-schema or --grammar, not both");
+  if ((!o.json_schema.empty() || !o.grammar.empty()) && o.tokenizer.empty())
+    throw UsageError("--json-schema and --grammar need --tokenizer (the grammar is read over its vocabulary)");
   if (o.encode) {
     if (o.tokenizer.empty()) throw UsageError("--encode needs --tokenizer");
     if (!o.has_prompt) throw UsageError("--encode needs --prompt");

@@ -16,6 +16,8 @@ struct Options : cli::CommonOptions {
   bool warmup = false, interactive = false, encode = false;
   // off-graph KV cache (programs exported with cache.mode=offgraph)
   int64_t kv_max_capacity = 0;  // 0 = in-graph program
+  // --json-schema FILE / --grammar FILE (GBNF or Lark): the output follows it (grammar_sidecar.h)
+  std::string json_schema, grammar;
 };
 
 // --help; the defaults it shows are read from a default Options, so they cannot drift.

@@ -50,6 +50,8 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["logits_mode"] = logits_mode_name(info.logits_mode);
   j["logits_dtype"] = info.logits_dtype;
   j["recipe_hash"] = info.has_recipe_hash ? json(info.recipe_hash) : json(nullptr);
+  if (r.grammar_masks > 0)
+    j["grammar"] = {{"masks", r.grammar_masks}, {"mask_ms_per_token", r.grammar_mask_ms / r.grammar_masks}};
   if (r.speculated) {
     json s;
     s["drafted"] = r.spec.drafted;
@@ -84,6 +86,9 @@ void report(const Options& o, const ProgramInfo& info, const LoadInfo& li, const
                r.prompt_ids.size(), r.generated_ids.size(), r.stop_reason.c_str(), li.load_ms,
                li.tokenizer_ms, r.ttft_ms, j["prefill_tok_s"].get<double>(),
                j["decode_tok_s"].get<double>(), r.sampling_ms);
+  if (j.contains("grammar"))
+    std::fprintf(stderr, "[grammar] %lld masks from the sidecar, %.3f ms per token\n",
+                 static_cast<long long>(r.grammar_masks), j["grammar"]["mask_ms_per_token"].get<double>());
   if (j.contains("speculation")) {
     const json& s = j["speculation"];
     std::fprintf(stderr, "[speculate] drafted %lld, accepted %lld in %lld verify steps",

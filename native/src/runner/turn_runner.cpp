@@ -38,8 +38,11 @@ void Runner::warmup() {
 TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
   TurnResult r;
   if (pending >= 0) ids.insert(ids.begin(), pending);
+  if (grammar_ && grammar_used_) grammar_->reset();  // each turn's output follows the grammar from its start
+  grammar_used_ = grammar_ != nullptr;
+  const int64_t masks0 = grammar_ ? grammar_->masks : 0;
+  const double mask_ms0 = grammar_ ? grammar_->mask_ms : 0;
   r.prompt_ids = ids;
-  const int64_t V = prog_.info().vocab_size;
   const int64_t ctx = cache_.capacity();
   auto t0 = Clock::now();
   const std::vector<float>& first_logits = feed(ids);
@@ -52,7 +55,7 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
     return r;
   }
   auto ts = Clock::now();
-  int64_t next = sampler_.sample(first_logits.data(), V);
+  int64_t next = choose(first_logits);
   r.sampling_ms += ms_since(ts);
   r.ttft_ms = ms_since(t0);
   auto td = Clock::now();
@@ -78,6 +81,11 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
       r.pending = t;
       return true;
     }
+    if (grammar_ && grammar_->done()) {  // the output is complete (its end-of-text token was taken)
+      r.stop_reason = "grammar";
+      r.pending = t;
+      return true;
+    }
     return false;
   };
   if (speculate_) {
@@ -92,7 +100,7 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
       const std::vector<float>& logits = feed({next});
       ++r.decode_steps;
       ts = Clock::now();
-      next = sampler_.sample(logits.data(), V);
+      next = choose(logits);
       r.sampling_ms += ms_since(ts);
       if (emit(next)) break;
     }
@@ -106,6 +114,7 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
   }
   r.decode_ms = ms_since(td);
   r.rss_decode = rss_mib();
+  if (grammar_) r.grammar_masks = grammar_->masks - masks0, r.grammar_mask_ms = grammar_->mask_ms - mask_ms0;
   return r;
 }
 
@@ -129,11 +138,12 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
     const int64_t room = std::min<int64_t>(o_.max_new_tokens - static_cast<int64_t>(r.generated_ids.size()) - 1,
                                            ctx - cache_.length() - 1);
     const int64_t k = std::max<int64_t>(0, std::min(so.adaptive ? budget.choose() : so.draft_max, room));
-    const std::vector<int64_t> draft = drafter.draft(k);
+    std::vector<int64_t> draft = drafter.draft(k);
+    if (grammar_ && !draft.empty()) draft.resize(static_cast<size_t>(grammar_->valid_prefix(draft)));
     auto t = Clock::now();
     if (draft.empty()) {
       const std::vector<float>& logits = feed({next});
-      next = sampler_.sample(logits.data(), V);
+      next = choose(logits);
       budget.timed(1, ms_since(t));
       budget.plain_step();
       ++r.decode_steps;
@@ -152,7 +162,12 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
     if (!cache_.bind(pos, n, &why)) throw ProgramError(why);
     const std::vector<float>& logits = prog_.forward_rows(fed.data(), positions_.data(), n, rows);
     cache_.commit(pos, n);
-    auto [a, after] = speculate::accept_drafts(logits.data(), V, draft, sampler_);
+    float* rows_out = const_cast<float*>(logits.data());  // written only under a grammar, and then a copy
+    if (grammar_) {
+      masked_.assign(logits.begin(), logits.begin() + n * V);
+      rows_out = masked_.data();
+    }
+    auto [a, after] = speculate::accept_drafts(rows_out, V, draft, sampler_, grammar_);
     std::vector<int64_t> kept(draft.begin(), draft.begin() + a);
     kept.push_back(after);
     int64_t m = 0;
@@ -172,6 +187,16 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
     next = kept[m - 1];
     if (done) return;
   }
+}
+
+int64_t Runner::choose(const std::vector<float>& logits) {
+  const int64_t V = prog_.info().vocab_size;
+  if (!grammar_) return sampler_.sample(logits.data(), V);
+  masked_.assign(logits.begin(), logits.begin() + V);
+  grammar_->mask(masked_.data());
+  const int64_t t = sampler_.sample(masked_.data(), V);
+  grammar_->consume(t);
+  return t;
 }
 
 void Runner::keep(int64_t pos, const std::vector<int64_t>& fed, int64_t m) {

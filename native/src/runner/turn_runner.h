@@ -7,6 +7,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "runner/grammar_sidecar.h"
 #include "runner/runner_options.h"
 #include "runtime/kv_cache.h"
 #include "runtime/llm_program.h"
@@ -28,6 +29,8 @@ struct TurnResult {
   speculate::Stats spec;
   double plain_decode_tok_s = -1;   // --compare-plain: the same turn without speculation
   int identical = -1;               // its tokens equal this turn's (greedy): 1/0, -1 when sampling
+  int64_t grammar_masks = 0;        // --json-schema / --grammar: masks asked of the sidecar, and their time
+  double grammar_mask_ms = 0;
 };
 
 // Holds the sampler across turns, so an interactive session keeps one random stream.
@@ -52,11 +55,15 @@ class Runner {
   // Whether run() speculates (--speculate ngram); --compare-plain turns it off for its second run.
   void set_speculate(bool on) { speculate_ = on; }
   void set_quiet(bool on) { quiet_ = on; }
+  // --json-schema / --grammar: every token is chosen under the grammar (null: none).
+  void set_grammar(GrammarSidecar* g) { grammar_ = g; }
 
  private:
   // Decode after `next` with prompt-lookup drafts; `emit` takes a token and says whether the turn ends there.
   template <class Emit>
   void decode_speculative(const std::vector<int64_t>& context, int64_t next, Emit&& emit, TurnResult& r);
+  // The next token from a row of logits: sampled, under the grammar if there is one.
+  int64_t choose(const std::vector<float>& logits);
   // After a verify step fed `fed` at `pos`: the cache keeps fed[:m].
   void keep(int64_t pos, const std::vector<int64_t>& fed, int64_t m);
 
@@ -69,6 +76,9 @@ class Runner {
   int64_t chunk_;
   bool speculate_ = o_.speculate.on, quiet_ = o_.quiet;
   std::vector<int64_t> positions_;
+  GrammarSidecar* grammar_ = nullptr;
+  bool grammar_used_ = false;
+  std::vector<float> masked_;  // logits masked by the grammar
 };
 
 }  // namespace llmrt::runner

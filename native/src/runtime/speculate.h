@@ -22,9 +22,14 @@
 
 namespace llmrt::speculate {
 
+// A verify step of up to kExactRows rows computes each row bit for bit as a decode step would (the attention splits a
+// row's keys by its own keys; XNNPACK's GEMMs of up to 4 rows match its 1-row path on the machines measured), so
+// greedy output is token-identical to plain decoding. Wider steps take other kernels whose rows differ by rounding.
+constexpr int64_t kExactRows = 4;
+
 struct Options {
   bool on = false;
-  int64_t draft_max = 6, ngram_min = 2, ngram_max = 4;
+  int64_t draft_max = kExactRows - 1, ngram_min = 2, ngram_max = 4;
   bool adaptive = true;
 };
 
@@ -114,22 +119,41 @@ class DraftBudget {
   std::map<int64_t, double> times_;
 };
 
-// (drafted tokens kept, the token after them) from the verify rows: row i (vocab floats) scores draft[i].
-inline std::pair<int64_t, int64_t> accept_drafts(const float* rows, int64_t vocab, const std::vector<int64_t>& draft,
-                                                 Sampler& sampler) {
+// A grammar the output must follow (--json-schema / --grammar): masks a row of logits in its current state, takes
+// each token chosen, and says how much of a draft it accepts.
+class Grammar {
+ public:
+  virtual ~Grammar() = default;
+  virtual void mask(float* logits) = 0;
+  virtual void consume(int64_t token) = 0;
+  virtual int64_t valid_prefix(const std::vector<int64_t>& draft) = 0;
+};
+
+// (drafted tokens kept, the token after them) from the verify rows: row i (vocab floats) scores draft[i]. With a
+// grammar, row i is masked in its state after draft[0..i) (the rows are written) and every token kept is given to it.
+inline std::pair<int64_t, int64_t> accept_drafts(float* rows, int64_t vocab, const std::vector<int64_t>& draft,
+                                                 Sampler& sampler, Grammar* grammar = nullptr) {
   const int64_t k = static_cast<int64_t>(draft.size());
+  auto pick = [&](int64_t i, int64_t t) {
+    if (grammar) grammar->consume(t);
+    return std::pair<int64_t, int64_t>{i, t};
+  };
   for (int64_t i = 0; i < k; ++i) {
-    const float* row = rows + i * vocab;
+    float* row = rows + i * vocab;
+    if (grammar) grammar->mask(row);
     if (sampler.greedy()) {
       const int64_t best = Sampler::argmax(row, vocab);
-      if (best != draft[i]) return {i, best};
-      continue;
+      if (best != draft[i]) return pick(i, best);
+    } else {
+      sampler.prepare(row, vocab);
+      if (sampler.uniform() >= sampler.prob(draft[i]))
+        return pick(i, sampler.draw_excluding(draft[i]));  // the residual max(0, p - q) of a draft that is d for sure
     }
-    sampler.prepare(row, vocab);
-    if (sampler.uniform() < sampler.prob(draft[i])) continue;
-    return {i, sampler.draw_excluding(draft[i])};  // the residual max(0, p - q) of a draft that is d for sure
+    if (grammar) grammar->consume(draft[i]);
   }
-  return {k, sampler.sample(rows + k * vocab, vocab)};
+  float* last = rows + k * vocab;
+  if (grammar) grammar->mask(last);
+  return pick(k, sampler.sample(last, vocab));
 }
 
 }  // namespace llmrt::speculate

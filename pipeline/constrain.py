@@ -1,0 +1,113 @@
+"""Schema- and grammar-constrained output (`--json-schema FILE`, `--grammar FILE`): llguidance over the tokenizer the
+build recorded. Each token is drawn from the logits with every token the grammar refuses masked out, so the output
+always parses; a speculative draft is cut at its first token the grammar refuses before it is verified.
+
+Why llguidance: bench/grammar_engines.py measures the per-token mask time of llguidance, xgrammar and outlines-core
+over SmolLM2's and Gemma 3's vocabularies (docs/speculation-and-grammars.md); llguidance needs no other package
+(xgrammar pulls torch's triton), takes JSON schemas, Lark and GBNF, and checks a draft in one call.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class ConstraintError(ValueError):
+    """A schema or grammar that cannot be used: the file, and what is wrong with it."""
+
+
+def _engine():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as e:  # the `constrain` extra
+        raise ConstraintError("--json-schema / --grammar need llguidance: pip install -e '.[constrain]'") from e
+    return llguidance
+
+
+def grammar_text(json_schema: Optional[Path] = None, grammar: Optional[Path] = None) -> str:
+    """The llguidance grammar of a JSON schema file, or of a grammar file (GBNF when it has `::=`, else Lark)."""
+    llg = _engine()
+    path = Path(json_schema or grammar)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConstraintError(f"{'--json-schema' if json_schema else '--grammar'} {path}: {e.strerror}") from e
+    if json_schema:
+        try:
+            schema = json.loads(text)
+        except ValueError as e:
+            raise ConstraintError(f"--json-schema {path}: not JSON ({e})") from e
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError(f"--json-schema {path}: a schema is a JSON object, got {type(schema).__name__}")
+        # compact JSON unless the schema's own x-guidance says otherwise: whitespace a model may pad without end is
+        # tokens spent and a budget that can run out before the closing brace
+        try:
+            grm = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        except ValueError as e:
+            raise ConstraintError(f"--json-schema {path}: {e}") from e
+    else:
+        try:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+            lark = gbnf_to_lark(text) if "::=" in text else text
+        except Exception as e:  # noqa: BLE001 - the converter's own message says what is wrong
+            raise ConstraintError(f"--grammar {path}: not a GBNF grammar ({e})") from e
+        try:
+            grm = llg.LLMatcher.grammar_from_lark(lark)
+        except ValueError as e:
+            raise ConstraintError(f"--grammar {path}: {e}") from e
+    error = llg.LLMatcher.validate_grammar(grm)
+    if error:
+        raise ConstraintError(f"{'--json-schema' if json_schema else '--grammar'} {path}: {error}")
+    return grm
+
+
+def tokenizer_for(hf_tokenizer, vocab_size: int):
+    """llguidance's view of the build's tokenizer, over the program's vocabulary (it may be padded)."""
+    llg = _engine()
+    return llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+
+
+class Constraint:
+    """One generation's grammar state: masks logits, takes the tokens chosen, checks drafts, rolls back."""
+
+    def __init__(self, grammar: str, tokenizer, vocab_size: int):
+        llg = _engine()
+        self._torch = llg.torch
+        self.matcher = llg.LLMatcher(tokenizer, grammar)
+        if self.matcher.is_error():
+            raise ConstraintError(self.matcher.get_error())
+        self.vocab = vocab_size
+        self.bitmask = llg.torch.allocate_token_bitmask(1, vocab_size)
+        self.mask_s = 0.0  # time spent computing masks
+        self.masks = 0
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with every token the grammar refuses here at -inf (a copy)."""
+        import time
+        t0 = time.perf_counter()
+        self._torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        out = logits.float().clone().unsqueeze(0)
+        self._torch.apply_token_bitmask_inplace(out, self.bitmask)
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        return out[0]
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)):
+            raise ConstraintError(f"token {token} refused by the grammar: {self.matcher.get_error()}")
+
+    def valid_prefix(self, draft: list[int]) -> list[int]:
+        """The draft up to its first token the grammar refuses (nothing is consumed)."""
+        return draft[:self.matcher.validate_tokens(list(draft))] if draft else []
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def stats(self) -> dict:
+        return {"masks": self.masks, "mask_ms_per_token": round(self.mask_s * 1e3 / max(self.masks, 1), 3)}
