@@ -51,8 +51,9 @@ def test_a_fused_program_gives_the_unfused_bits(recipe, overrides, layers):
     assert fm["delegate_calls"] <= pm["delegate_calls"] and fm["portable_ops"] <= pm["portable_ops"]
     assert fm["delegation_by_op"]["aten_linear_default"]["delegated"] == \
         pm["delegation_by_op"]["aten_linear_default"]["delegated"] - 3 * layers  # 3 -> 1 and 2 -> 1 a layer
-    assert fm["delegation_by_op"]["aten_slice_copy_tensor"]["non_delegated"] == \
-        pm["delegation_by_op"]["aten_slice_copy_tensor"]["non_delegated"]
+    def slices(m):  # the fused projections' splits add none outside the delegate
+        return m["delegation_by_op"].get("aten_slice_copy_tensor", {}).get("non_delegated", 0)
+    assert slices(fm) == slices(pm)
 
 
 def _tiny_quantized(arch: str, *overrides: str):

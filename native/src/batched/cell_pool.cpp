@@ -237,13 +237,7 @@ bool CellCache::rewind(int64_t target, std::string* why) {
 }
 
 bool CellCache::restore(const offgraph::OffgraphKvCache::Snapshot& s, std::string* why) {
-  const int64_t floor = rings_floor();
-  if (s.length > length_ || (s.length > 0 && s.length < floor)) {
-    if (why)
-      *why = "cannot restore a snapshot at " + std::to_string(s.length) + " (length " + std::to_string(length_) +
-             ", lowest safe target " + std::to_string(floor) + ")";
-    return false;
-  }
+  if (!offgraph::snapshot_restorable(s.length, length_, rings_floor(), why)) return false;
   states_ = s.states;
   drop_from(s.length);
   return true;

@@ -163,14 +163,16 @@ bool OffgraphKvCache::rewind(int64_t target, std::string* why) {
   return true;
 }
 
+bool snapshot_restorable(int64_t target, int64_t length, int64_t floor, std::string* why) {
+  if (target <= length && (target == 0 || target >= floor)) return true;
+  if (why)
+    *why = "cannot restore a snapshot at " + std::to_string(target) + " (length " + std::to_string(length) +
+           ", lowest safe target " + std::to_string(floor) + ")";
+  return false;
+}
+
 bool OffgraphKvCache::restore(const Snapshot& s, std::string* why) {
-  const int64_t floor = rewind_floor();
-  if (s.length > length_ || (s.length > 0 && s.length < floor)) {
-    if (why)
-      *why = "cannot restore a snapshot at " + std::to_string(s.length) + " (length " + std::to_string(length_) +
-             ", lowest safe target " + std::to_string(floor) + ")";
-    return false;
-  }
+  if (!snapshot_restorable(s.length, length_, rewind_floor(), why)) return false;
   states_ = s.states;
   length_ = s.length;
   return true;

@@ -234,6 +234,10 @@ inline int64_t ring_rewind_floor(int64_t length, int64_t ring, int64_t window) {
   return oldest > 0 ? oldest + window - 1 : 0;
 }
 
+// Whether a cache filled up to `length`, whose rings can go back to `floor`, can restore a snapshot taken at
+// `target` (a speculation snapshot: at most the length, and not below what the rings hold). False + why otherwise.
+bool snapshot_restorable(int64_t target, int64_t length, int64_t floor, std::string* why);
+
 // Slots of a ring layer: its window plus the chunk being written (window + max_write - 1), at most the
 // capacity. Saturating: a window near INT64_MAX (damaged, or a flag) must not overflow.
 int64_t ring_slots_for(int64_t window, int64_t max_write, int64_t capacity);
