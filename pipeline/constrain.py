@@ -83,6 +83,9 @@ class Constraint:
             raise ConstraintError(self.matcher.get_error())
         self.vocab = vocab_size
         self.bitmask = llg.torch.allocate_token_bitmask(1, vocab_size)
+        # the first mask builds the grammar's lexer over the vocabulary (up to a second or two): here, not at the
+        # first token
+        llg.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         self.mask_s = 0.0  # time spent computing masks
         self.masks = 0
 
