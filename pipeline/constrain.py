@@ -83,6 +83,7 @@ class Constraint:
             raise ConstraintError(self.matcher.get_error())
         self.vocab = vocab_size
         self.bitmask = llg.torch.allocate_token_bitmask(1, vocab_size)
+        self._shifts = torch.arange(32, dtype=torch.int32)
         # the first mask builds the grammar's lexer over the vocabulary (up to a second or two): here, not at the
         # first token
         llg.torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
@@ -94,11 +95,13 @@ class Constraint:
         import time
         t0 = time.perf_counter()
         self._torch.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        out = logits.float().clone().unsqueeze(0)
-        self._torch.apply_token_bitmask_inplace(out, self.bitmask)
+        # the bits unpacked here: llguidance's apply_token_bitmask_inplace is a torch.compile'd kernel (seconds to
+        # compile at its first call)
+        allowed = ((self.bitmask[0].unsqueeze(1) >> self._shifts) & 1).flatten()[:logits.numel()].bool()
+        out = logits.float().masked_fill(~allowed, float("-inf"))
         self.mask_s += time.perf_counter() - t0
         self.masks += 1
-        return out[0]
+        return out
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
