@@ -103,7 +103,7 @@ class Session:
         self.held: list[int] = []
         self.speculation = speculation
         if speculation is not None:
-            why = why_not_speculate(program, self.chunk)
+            why = why_not_speculate(program)
             if not why and speculation.draft_max > self.chunk - 1:
                 why = (f"--draft-max {speculation.draft_max}: a verify step feeds the drafts after the last token, "
                        f"in one chunk of at most {self.chunk}: at most {self.chunk - 1} drafts")
@@ -193,16 +193,14 @@ class Session:
         self.held = []
 
 
-def why_not_speculate(program, chunk: int) -> str:
-    """Why speculation cannot run on this program ("" when it can): a verify step needs every row's logits, a
-    chunk of at least two tokens, and a rollback the runtime can do."""
+def why_not_speculate(program) -> str:
+    """Why speculation cannot run on this program ("" when it can): a verify step needs every row's logits and a
+    rollback the runtime can do (the drafts' room in a chunk is Session's check)."""
     if not hasattr(program, "rows_logits"):
         return "the transformers route's prefill/decode pair decodes one token a call: build with the runner layout"
     if not program.rows_logits:
         return ("this program returns the last row's logits only (export.logits_mode=last); speculation verifies "
                 "a draft in one forward and needs every row's: rebuild with export.logits_mode=selected (or full)")
-    if chunk < 2:
-        return f"the program's prefill chunk is {chunk} token: a draft needs a chunk of 2 or more (export.prefill_chunk)"
     if not program.can_snapshot:
         return ("this program keeps its recurrent state inside the program (cache.mode=custom), where this runtime "
                 "cannot roll it back: build with cache.mode=offgraph")

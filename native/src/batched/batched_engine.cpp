@@ -92,15 +92,11 @@ Engine::Engine(LlmProgram& program, std::vector<offgraph::LayerSpec> specs, int6
     throw std::invalid_argument("rows per forward must be in [1, " + std::to_string(program.info().max_seq_len) +
                                 "], got " + std::to_string(chunk_));
   if (o_.max_decode_sequences < 1) throw std::invalid_argument("--max-decode-sequences must be >= 1");
-  if (o_.speculate.on && !full_)
-    throw std::invalid_argument(std::string("--speculate: this program returns the last row's logits only (logits "
-                                            "mode ") + logits_mode_name(program.info().logits_mode) +
-                                "); speculation verifies a draft in one forward and needs every row's: rebuild with "
-                                "export.logits_mode=selected (or full)");
-  if (o_.speculate.on && o_.speculate.draft_max > chunk_ - 1)
-    throw std::invalid_argument("--draft-max " + std::to_string(o_.speculate.draft_max) + ": a session's verify "
-                                "rows (its last token and the draft) fit in a forward of " + std::to_string(chunk_) +
-                                " rows: at most " + std::to_string(chunk_ - 1) + " drafts");
+  if (o_.speculate.on) {
+    const std::string why = speculate::why_not(full_, logits_mode_name(program.info().logits_mode),
+                                               o_.speculate.draft_max, chunk_);
+    if (!why.empty()) throw std::invalid_argument(why);
+  }
   if (o_.cache_kind == CacheKind::cell)
     pool_ = std::make_unique<CellPool>(specs_, o_.max_session_tokens, chunk_, o_.kv_initial_capacity, o_.kv_dtype,
                                        o_.states);
@@ -364,7 +360,7 @@ int64_t Engine::draft_room(const Session& s) const {
 
 void Engine::accept_verified(Session& s, int64_t pos, int64_t n, const float* rows, EngineStats* st) {
   const int64_t V = prog_.info().vocab_size, k = static_cast<int64_t>(s.draft.size()), first = s.pending;
-  auto [a, after] = speculate::accept_drafts(const_cast<float*>(rows), V, s.draft, s.sampler);  // not written
+  auto [a, after] = speculate::accept_drafts(rows, V, s.draft, s.sampler);
   std::vector<int64_t> kept(s.draft.begin(), s.draft.begin() + a);
   kept.push_back(after);
   int64_t m = 0;

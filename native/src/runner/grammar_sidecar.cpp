@@ -70,15 +70,17 @@ std::string GrammarSidecar::line() {
   return s;
 }
 
-void GrammarSidecar::mask(float* logits) {
+const float* GrammarSidecar::masked(const float* logits) {
   const auto t0 = std::chrono::steady_clock::now();
   send("M");
   const size_t bytes = bits_.size() * sizeof(uint32_t);
   if (std::fread(bits_.data(), 1, bytes, from_) != bytes) throw ProgramError("grammar sidecar: a short mask");
+  masked_.assign(logits, logits + vocab_);
   for (int64_t t = 0; t < vocab_; ++t)
-    if (!(bits_[static_cast<size_t>(t >> 5)] >> (t & 31) & 1u)) logits[t] = -INFINITY;
+    if (!(bits_[static_cast<size_t>(t >> 5)] >> (t & 31) & 1u)) masked_[static_cast<size_t>(t)] = -INFINITY;
   mask_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   ++masks;
+  return masked_.data();
 }
 
 void GrammarSidecar::consume(int64_t token) {

@@ -24,7 +24,7 @@ class GrammarSidecar final : public speculate::Grammar {
   GrammarSidecar(const GrammarSidecar&) = delete;
   GrammarSidecar& operator=(const GrammarSidecar&) = delete;
 
-  void mask(float* logits) override;       // refused tokens to -inf
+  const float* masked(const float* logits) override;  // refused tokens at -inf
   void consume(int64_t token) override;
   int64_t valid_prefix(const std::vector<int64_t>& draft) override;
   bool done();
@@ -41,6 +41,7 @@ class GrammarSidecar final : public speculate::Grammar {
   FILE* to_ = nullptr;
   FILE* from_ = nullptr;
   std::vector<uint32_t> bits_;
+  std::vector<float> masked_;
 };
 
 }  // namespace llmrt::runner

@@ -50,16 +50,9 @@ void check_vocab(const Tokenizer& tok, const ProgramInfo& info) {
 
 // --speculate ngram: refused before any token where a verify step cannot run or cannot be rolled back.
 void check_speculation(const Options& o, const LlmProgram& prog, const KvCacheOwner& cache, int64_t chunk) {
-  if (!prog.all_rows_logits())
-    throw ProgramError(std::string("--speculate: this program returns the last row's logits only (logits mode ") +
-                       logits_mode_name(prog.info().logits_mode) + "); speculation verifies a draft in one forward "
-                       "and needs every row's: rebuild with export.logits_mode=selected (or full)");
-  if (chunk < 2)
-    throw ProgramError("--speculate: the program's prefill chunk is 1 token: a draft needs a chunk of 2 or more");
-  if (o.speculate.draft_max > chunk - 1)
-    throw ProgramError("--draft-max " + std::to_string(o.speculate.draft_max) + ": a verify step feeds the drafts "
-                       "after the last token in one chunk of at most " + std::to_string(chunk) + ": at most " +
-                       std::to_string(chunk - 1) + " drafts");
+  const std::string why = speculate::why_not(prog.all_rows_logits(), logits_mode_name(prog.info().logits_mode),
+                                             o.speculate.draft_max, chunk);
+  if (!why.empty()) throw ProgramError(why);
   if (cache.recurrent() && !cache.can_snapshot())
     throw ProgramError("--speculate: this program keeps its recurrent state inside the program (cache.mode=custom), "
                        "where the runner cannot roll it back: build with cache.mode=offgraph");

@@ -137,7 +137,7 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
     }
     const int64_t room = std::min<int64_t>(o_.max_new_tokens - static_cast<int64_t>(r.generated_ids.size()) - 1,
                                            ctx - cache_.length() - 1);
-    const int64_t k = std::max<int64_t>(0, std::min(so.adaptive ? budget.choose() : so.draft_max, room));
+    const int64_t k = std::max<int64_t>(0, std::min(budget.choose(), room));
     std::vector<int64_t> draft = drafter.draft(k);
     if (grammar_ && !draft.empty()) draft.resize(static_cast<size_t>(grammar_->valid_prefix(draft)));
     auto t = Clock::now();
@@ -162,12 +162,7 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
     if (!cache_.bind(pos, n, &why)) throw ProgramError(why);
     const std::vector<float>& logits = prog_.forward_rows(fed.data(), positions_.data(), n, rows);
     cache_.commit(pos, n);
-    float* rows_out = const_cast<float*>(logits.data());  // written only under a grammar, and then a copy
-    if (grammar_) {
-      masked_.assign(logits.begin(), logits.begin() + n * V);
-      rows_out = masked_.data();
-    }
-    auto [a, after] = speculate::accept_drafts(rows_out, V, draft, sampler_, grammar_);
+    auto [a, after] = speculate::accept_drafts(logits.data(), V, draft, sampler_, grammar_);
     std::vector<int64_t> kept(draft.begin(), draft.begin() + a);
     kept.push_back(after);
     int64_t m = 0;
@@ -192,9 +187,7 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
 int64_t Runner::choose(const std::vector<float>& logits) {
   const int64_t V = prog_.info().vocab_size;
   if (!grammar_) return sampler_.sample(logits.data(), V);
-  masked_.assign(logits.begin(), logits.begin() + V);
-  grammar_->mask(masked_.data());
-  const int64_t t = sampler_.sample(masked_.data(), V);
+  const int64_t t = sampler_.sample(grammar_->masked(logits.data()), V);
   grammar_->consume(t);
   return t;
 }

@@ -78,7 +78,6 @@ class Runner {
   std::vector<int64_t> positions_;
   GrammarSidecar* grammar_ = nullptr;
   bool grammar_used_ = false;
-  std::vector<float> masked_;  // logits masked by the grammar
 };
 
 }  // namespace llmrt::runner

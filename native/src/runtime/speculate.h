@@ -9,8 +9,6 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -30,8 +28,19 @@ constexpr int64_t kExactRows = 4;
 struct Options {
   bool on = false;
   int64_t draft_max = kExactRows - 1, ngram_min = 2, ngram_max = 4;
-  bool adaptive = true;
 };
+
+// Why a program cannot speculate ("" when it can), the same in both runners: a verify step reads every row's logits
+// (`all_rows`: logits mode full or selected; `mode` names the program's) and fits `rows` rows per forward.
+inline std::string why_not(bool all_rows, const std::string& mode, int64_t draft_max, int64_t rows) {
+  if (!all_rows)
+    return "--speculate: this program returns the last row's logits only (logits mode " + mode + "); speculation "
+           "verifies a draft in one forward and needs every row's: rebuild with export.logits_mode=selected (or full)";
+  if (draft_max > rows - 1)
+    return "--draft-max " + std::to_string(draft_max) + ": a verify step feeds the drafts after the last token in one "
+           "forward of at most " + std::to_string(rows) + " rows: at most " + std::to_string(rows - 1) + " drafts";
+  return "";
+}
 
 struct Stats {
   int64_t drafted = 0, accepted = 0, verify_steps = 0;
@@ -119,28 +128,28 @@ class DraftBudget {
   std::map<int64_t, double> times_;
 };
 
-// A grammar the output must follow (--json-schema / --grammar): masks a row of logits in its current state, takes
-// each token chosen, and says how much of a draft it accepts.
+// A grammar the output must follow (--json-schema / --grammar): masks a row of logits in its current state (a copy
+// it holds, valid until its next call), takes each token chosen, and says how much of a draft it accepts.
 class Grammar {
  public:
   virtual ~Grammar() = default;
-  virtual void mask(float* logits) = 0;
+  virtual const float* masked(const float* logits) = 0;
   virtual void consume(int64_t token) = 0;
   virtual int64_t valid_prefix(const std::vector<int64_t>& draft) = 0;
 };
 
 // (drafted tokens kept, the token after them) from the verify rows: row i (vocab floats) scores draft[i]. With a
-// grammar, row i is masked in its state after draft[0..i) (the rows are written) and every token kept is given to it.
-inline std::pair<int64_t, int64_t> accept_drafts(float* rows, int64_t vocab, const std::vector<int64_t>& draft,
+// grammar, row i is masked in its state after draft[0..i) and every token kept is given to it.
+inline std::pair<int64_t, int64_t> accept_drafts(const float* rows, int64_t vocab, const std::vector<int64_t>& draft,
                                                  Sampler& sampler, Grammar* grammar = nullptr) {
   const int64_t k = static_cast<int64_t>(draft.size());
+  auto row_at = [&](int64_t i) { return grammar ? grammar->masked(rows + i * vocab) : rows + i * vocab; };
   auto pick = [&](int64_t i, int64_t t) {
     if (grammar) grammar->consume(t);
     return std::pair<int64_t, int64_t>{i, t};
   };
   for (int64_t i = 0; i < k; ++i) {
-    float* row = rows + i * vocab;
-    if (grammar) grammar->mask(row);
+    const float* row = row_at(i);
     if (sampler.greedy()) {
       const int64_t best = Sampler::argmax(row, vocab);
       if (best != draft[i]) return pick(i, best);
@@ -151,9 +160,7 @@ inline std::pair<int64_t, int64_t> accept_drafts(float* rows, int64_t vocab, con
     }
     if (grammar) grammar->consume(draft[i]);
   }
-  float* last = rows + k * vocab;
-  if (grammar) grammar->mask(last);
-  return pick(k, sampler.sample(last, vocab));
+  return pick(k, sampler.sample(row_at(k), vocab));
 }
 
 }  // namespace llmrt::speculate
