@@ -1,8 +1,12 @@
-"""The .pte contract between the builder and every runtime that runs a program (ours, the C++ runners).
+"""The .pte contract between the builder and every runtime that runs a program (ours, the C++ runners, and
+ExecuTorch's own LLM runner, TextLLMRunner).
 
 - The runner layout: `forward(tokens Long[1, T], positions Long[T]) -> logits [1, R, V]`, 1 <= T <= chunk;
-  R = 1 (logits mode `last`) or T (`full`).
-- The constant methods every program publishes (their names and codes are below) and the special token ids.
+  R = 1 (logits mode `last`), T (`full`) or min(T, get_tail_rows) (`tail`: the step's last rows). Logits mode
+  `selected` takes a third input, `forward(tokens, positions, rows Long[R]) -> [1, R, V]` (those rows, in order):
+  ExecuTorch's runner passes two inputs and cannot drive it.
+- The constant methods every program publishes (their names and codes are below), ExecuTorch's runner's among them,
+  and the special token ids.
 - ExecuTorch ScalarType codes, one table for every module that reads or writes them.
 
 A leaf module: the stages, the exporters and the runtimes import it; it imports nothing of the pipeline.
@@ -24,7 +28,9 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, 
 DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
 
 # get_logits_to_keep_mode
-LOGITS_MODE_CODES = {"full": 0, "last": 1, "selected": 2}
+LOGITS_MODE_CODES = {"full": 0, "last": 1, "selected": 2, "tail": 3}
+# the modes whose forward takes (tokens, positions) only: what ExecuTorch's TextLLMRunner passes
+TWO_INPUT_LOGITS_MODES = ("full", "last", "tail")
 
 # the constant methods of the runner layout; cache modes add their own (get_n_caches, get_ring_windows, ...)
 MAX_CONTEXT_LEN = "get_max_context_len"
@@ -36,6 +42,11 @@ BOS_ID = "get_bos_id"
 EOS_IDS = "get_eos_ids"
 RECIPE_HASH = "get_recipe_hash"
 CHAT_TEMPLATE = "get_chat_template"      # the model's chat template by name (the runners' --chat default)
+TAIL_ROWS = "get_tail_rows"              # logits mode `tail`: the most rows a forward returns
+# ExecuTorch's LLM runner reads these (extension/llm/runner/constants.h; missing ones it logs and guesses)
+USE_KV_CACHE = "use_kv_cache"            # forward takes the positions: a cache keeps the earlier tokens
+SDPA_WITH_KV_CACHE = "use_sdpa_with_kv_cache"  # attention is one custom op over the cache (a cache mode's answer)
+DYNAMIC_SHAPE = "enable_dynamic_shape"   # forward takes 1..chunk tokens (else one at a time)
 
 # the C++ runners' chat templates (native/src/runtime/chat_template.cpp) and the special token that tells each
 # apart in an HF chat template; "0" = raw text (no template)
@@ -45,9 +56,10 @@ RAW_CHAT = "0"
 
 
 def constant_methods(*, context: int, chunk: int, vocab: int, dtype: str, logits_mode: str, bos: int,
-                     eos: list[int], build_hash: str, chat: str = RAW_CHAT) -> dict:
-    """The constant methods every runner-layout program carries (`chat`: chat_template_name's answer)."""
-    return {
+                     eos: list[int], build_hash: str, chat: str = RAW_CHAT, tail_rows: int = 1) -> dict:
+    """The constant methods every runner-layout program carries (`chat`: chat_template_name's answer; `tail_rows`:
+    logits mode `tail`'s most rows). The cache mode adds use_sdpa_with_kv_cache."""
+    methods = {
         MAX_CONTEXT_LEN: int(context),
         MAX_SEQ_LEN: int(chunk),
         VOCAB_SIZE: int(vocab),
@@ -57,7 +69,12 @@ def constant_methods(*, context: int, chunk: int, vocab: int, dtype: str, logits
         EOS_IDS: [int(i) for i in eos],
         RECIPE_HASH: build_hash,
         CHAT_TEMPLATE: chat,
+        USE_KV_CACHE: True,
+        DYNAMIC_SHAPE: int(chunk) > 1,
     }
+    if logits_mode == "tail":
+        methods[TAIL_ROWS] = min(int(tail_rows), int(chunk))
+    return methods
 
 
 def chat_template_name(model_dir) -> str:

@@ -55,9 +55,13 @@ class CacheMode(str, Enum):
 class LogitsMode(str, Enum):
     full = "full"            # every row's logits [1, T, V]
     last = "last"            # the last row's [1, 1, V]
+    # the last min(T, export.tail_rows) rows' [1, R, V]: a decode step computes one row, speculation's verify step
+    # every row, and ExecuTorch's own runner (TextLLMRunner) drives it as it drives `last` (it reads the last row)
+    tail = "tail"
     selected = "selected"    # forward takes a third input rows Long[R]: [1, R, V] (the batched runner's mode)
-    auto = "auto"            # selected where the cache mode takes rows (custom, offgraph), else last (full on the
-                             # transformers route): pipeline/model/cache_modes logits_mode
+    auto = "auto"            # tail where the cache is in the program and the mode takes rows (custom), selected
+                             # where the runtime owns it (offgraph), else last (full on the transformers route):
+                             # pipeline/model/cache_modes logits_mode
 
 
 class Exporter(str, Enum):
@@ -184,6 +188,9 @@ class ExportConfig:
     prefill_chunk: Optional[int] = None
     dtype: DType = DType.fp32
     logits_mode: LogitsMode = LogitsMode.auto
+    # logits mode `tail`: the most rows a forward returns (speculation's verify step: the drafts + 1; XNNPACK runs
+    # GEMMs of up to 4 rows with the 1-row kernel's bits)
+    tail_rows: int = 4
     # torch.export's strict mode (dynamo); null: non-strict where the backend and the cache mode take it, in fp32
     # (pipeline/exporters/native.py strict_export), strict elsewhere
     strict: Optional[bool] = None

@@ -97,6 +97,7 @@ class Session:
         self.program = program
         const = program.constant
         self.chunk = getattr(program, "chunk", None) or abi.ints(const(abi.MAX_SEQ_LEN))[0]
+        self.verify_rows = getattr(program, "verify_rows", self.chunk)  # the most rows one forward gives logits for
         self.context = abi.ints(const(abi.MAX_CONTEXT_LEN))[0]
         self.eos = set(abi.ints(const(abi.EOS_IDS)))
         self.vocab = abi.ints(const(abi.VOCAB_SIZE))[0]
@@ -104,9 +105,9 @@ class Session:
         self.speculation = speculation
         if speculation is not None:
             why = why_not_speculate(program)
-            if not why and speculation.draft_max > self.chunk - 1:
+            if not why and speculation.draft_max > self.verify_rows - 1:
                 why = (f"--draft-max {speculation.draft_max}: a verify step feeds the drafts after the last token, "
-                       f"in one chunk of at most {self.chunk}: at most {self.chunk - 1} drafts")
+                       f"in one forward of at most {self.verify_rows} rows: at most {self.verify_rows - 1} drafts")
             if why:
                 raise ValueError(f"--speculate: {why}")
         self._verified: tuple = ()  # (start, fed, snapshot) of the last verify step
@@ -200,7 +201,7 @@ def why_not_speculate(program) -> str:
         return "the transformers route's prefill/decode pair decodes one token a call: build with the runner layout"
     if not program.rows_logits:
         return ("this program returns the last row's logits only (export.logits_mode=last); speculation verifies "
-                "a draft in one forward and needs every row's: rebuild with export.logits_mode=selected (or full)")
+                "a draft in one forward and needs every row's: rebuild with export.logits_mode=tail (or selected, full)")
     if not program.can_snapshot:
         return ("this program keeps its recurrent state inside the program (cache.mode=custom), where this runtime "
                 "cannot roll it back: build with cache.mode=offgraph")
@@ -372,7 +373,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--speculate", choices=("off", "ngram"), default="off",
                     help="ngram: prompt-lookup speculative decoding (drafts from the context, verified in one forward; "
-                         "needs a program built with export.logits_mode=selected or full)")
+                         "needs a program built with export.logits_mode=tail, selected or full)")
     ap.add_argument("--draft-max", type=int, default=3,
                     help="most tokens drafted a step (< the program's chunk); above 3, greedy output may differ from "
                          "plain decoding at near-ties (wider verify steps run other kernels)")

@@ -193,6 +193,9 @@ def _finish_manifest(manifest: dict, entries: dict, cfg) -> None:
         recorded = (read_manifest(entries["lower"]) or {}).get("outputs", {}).get(Path(manifest.get("pte", "")).name)
         if recorded:
             manifest["pte_sha256"] = recorded["sha256"]
+        lower = next((s for s in manifest["stages"] if s["name"] == "lower" and s.get("metrics")), None)
+        if lower and "deploy" in lower["metrics"]:  # the operators beyond stock ExecuTorch, the runners that run it
+            manifest["deploy"] = lower["metrics"]["deploy"]
     verify = next((s for s in manifest["stages"] if s["name"] == "verify" and s.get("status") == "ok"), None)
     if verify:
         manifest["verify"] = verify["metrics"]

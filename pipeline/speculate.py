@@ -144,7 +144,7 @@ class Speculation:
                on_token: Callable[[int], None]) -> tuple[list[int], str, dict]:
         """Decode after `token` (sampled, not yet fed; it counts against max_new) with drafts. Returns (the
         tokens after `token`, the stop reason, the speculation stats)."""
-        k_max = min(self.draft_max, session.chunk - 1)
+        k_max = min(self.draft_max, session.verify_rows - 1)
         budget = DraftBudget(k_max)
         drafter = self.drafter() if self.drafter else NgramDrafter(self.ngram_min, self.ngram_max)
         drafter.extend(session.held + [token])

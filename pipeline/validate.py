@@ -15,7 +15,8 @@ from pipeline.config import Thresholds
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.model import sources
 from pipeline.model.geometry import Geometry
-from pipeline.preflight import check, memory_estimate
+from pipeline.memory_estimate import memory_estimate
+from pipeline.preflight import check
 
 # the tiny model of an architecture: its own config group where it has one, else tiny_llama's dims with the
 # architecture's entry (model.random.arch: pipeline/model/archs/<model_type>.py `tiny`)

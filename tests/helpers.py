@@ -68,7 +68,7 @@ def guard(recipe: str | None, overrides: tuple, stages: tuple | None = None) -> 
     if CURRENT["slow"]:
         return
     from pipeline.model import sources
-    from pipeline.preflight import parameter_count
+    from pipeline.memory_estimate import parameter_count
     try:
         geometry = sources.geometry(compose_cfg(*recipe_args(recipe), *overrides).model)
     except Exception:  # a sweep's comma lists do not compose as one config; a source it cannot read built nothing

@@ -24,7 +24,7 @@ from tests.e2e.test_families import build_family
 from tests.helpers import build
 from tests.test_generate import _cli, _prompt, _stats
 
-# export.logits_mode=auto (the default) is `selected` in the custom and offgraph modes
+# export.logits_mode=auto (the default) is `tail` in the custom mode (4 rows), `selected` in the offgraph mode
 LAST = "export.logits_mode=last"
 
 
@@ -189,7 +189,7 @@ def test_the_command_speculates_reports_and_refuses_what_it_cannot():
     # a program with the last row's logits only: the reason and the fix, before any token
     last = build("tiny_llama_offgraph", "verify.enabled=false", LAST)
     r = _cli("--pte", last["pte"], "--tokenizer", last["tokenizer"], "--prompt", "x", "--speculate", "ngram")
-    assert r.returncode == 1 and "export.logits_mode=selected" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "export.logits_mode=tail" in r.stderr and "Traceback" not in r.stderr
     r = _cli("--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", "x", "--speculate", "ngram",
              "--draft-max", "40")
     assert r.returncode == 1 and "--draft-max 40" in r.stderr and "at most 15 drafts" in r.stderr, r.stderr[-500:]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline import preflight
+from pipeline import memory_estimate, preflight
 from pipeline.model.geometry import Geometry
 from tests.helpers import ROOT, compose_cfg
 
@@ -50,10 +50,10 @@ def test_missing_folder_is_a_usage_error(tmp_path):
 def test_memory_estimates():
     g = Geometry(arch="llama", hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                  num_kv_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
-    assert abs(preflight.parameter_count(g) - 134.5e6) < 0.5e6  # SmolLM2-135M
+    assert abs(memory_estimate.parameter_count(g) - 134.5e6) < 0.5e6  # SmolLM2-135M
     cfg = compose_cfg("recipe=smollm2_xnnpack", "export.max_context_len=512")
     # 30 layers x 512 positions x K and V x 3 heads x 64 dims x fp32
-    assert preflight.kv_cache_bytes(cfg, g) == 30 * 512 * 2 * 3 * 64 * 4
+    assert memory_estimate.kv_cache_bytes(cfg, g) == 30 * 512 * 2 * 3 * 64 * 4
     assert preflight.memory_problems(cfg, g, total_bytes=1 << 30)  # 1 GiB cannot export it
     assert not preflight.memory_problems(cfg, g, total_bytes=24 << 30)
 
@@ -81,7 +81,7 @@ def test_parameter_count_is_the_models(name):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() < 2 or "norm" in n)
-    counted = preflight.parameter_count(from_hf_config(config.to_dict()))
+    counted = memory_estimate.parameter_count(from_hf_config(config.to_dict()))
     assert abs(counted - sum(p.numel() for p in model.parameters())) <= norms, (counted, norms)
 
 
@@ -92,8 +92,8 @@ def test_rings_shrink_the_kv_estimate_of_custom_and_offgraph():
     static = compose_cfg("recipe=gemma3_xnnpack", "export.max_context_len=4096")
     offgraph = compose_cfg("recipe=gemma3_offgraph", "export.max_context_len=4096", "export.prefill_chunk=128")
     slot = 2 * 256 * 4
-    assert preflight.kv_cache_bytes(static, g) == 2 * 4096 * slot
-    assert preflight.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
+    assert memory_estimate.kv_cache_bytes(static, g) == 2 * 4096 * slot
+    assert memory_estimate.kv_cache_bytes(offgraph, g) == (512 + 128 - 1 + 4096) * slot
 
 
 
@@ -105,7 +105,7 @@ def test_gemma4_kv_estimate_counts_per_layer_dims_and_no_cache_for_shared_layers
     def estimate(model, mode, *overrides):
         cfg = compose_cfg(f"model={model}", f"cache={mode}", "export.max_context_len=64", "export.prefill_chunk=8",
                           *overrides)
-        return preflight.kv_cache_bytes(cfg, sources.geometry(cfg.model))
+        return memory_estimate.kv_cache_bytes(cfg, sources.geometry(cfg.model))
 
     # tiny_gemma4: caches of layers 0, 1, 3 (sliding, 1 x 16) and 2 (full, 1 x 32); layers 4 and 5 read 3 and 2
     assert estimate("tiny_gemma4", "static") == 2 * 4 * (3 * 64 * 16 + 64 * 32) == 40960
@@ -129,7 +129,7 @@ def test_every_stage_has_an_estimate_and_a_build_that_would_not_fit_is_refused_b
     from pipeline.model import sources
     from pipeline.stages import ORDER
     cfg = compose_cfg("recipe=scale_llama32_1b")  # Llama-3.2-1B geometry, random weights: nothing to read but config
-    est = preflight.memory_estimate(cfg, sources.geometry(cfg.model))
+    est = memory_estimate.memory_estimate(cfg, sources.geometry(cfg.model))
     assert sorted(est["stage_peak_bytes"]) == sorted(ORDER)
     assert est["peak_bytes"] == max(est["stage_peak_bytes"].values()) > est["weights_bytes"]
     assert preflight.check(cfg, total_bytes=24 << 30) is not None
@@ -145,13 +145,13 @@ def test_verify_needs_more_where_the_cpu_lacks_the_native_4bit_gemm(monkeypatch)
     cfg = compose_cfg("recipe=scale_llama32_1b")
     g = sources.geometry(cfg.model)
     monkeypatch.setattr(numerics, "runs_native_gemm", lambda: True)
-    native = preflight.memory_estimate(cfg, g)["stage_peak_bytes"]
+    native = memory_estimate.memory_estimate(cfg, g)["stage_peak_bytes"]
     assert xnnpack.reference_extra_bytes("8da4w", 32) == 0
     monkeypatch.setattr(numerics, "runs_native_gemm", lambda: False)
-    fallback = preflight.memory_estimate(cfg, g)["stage_peak_bytes"]
+    fallback = memory_estimate.memory_estimate(cfg, g)["stage_peak_bytes"]
     assert {s: fallback[s] - native[s] for s in native if fallback[s] != native[s]}.keys() == {"verify"}
     assert fallback["verify"] - native["verify"] > 4 << 30  # 1.7 x 3 bytes x ~1 B linear weights
     # per channel (group 0) its dots sum in float64: 7 bytes more; other schemes and backends hold nothing more
     assert [xnnpack.reference_extra_bytes(*a) for a in (("8da4w", 32), ("8da4w", 0), ("8da8w", 0))] == [3, 7, 0]
     portable = compose_cfg("recipe=scale_llama32_1b", "backend=portable")
-    assert preflight.fallback_bytes(portable, g, preflight.parameter_count(g)) == 0
+    assert memory_estimate.fallback_bytes(portable, g, memory_estimate.parameter_count(g)) == 0

@@ -8,6 +8,8 @@ Each declares:
     ASYMMETRIC_WEIGHTS: bool -- its quantized weights keep a zero point (quantize.source_grid carries Q4_1 there)
     LOWERS_PROGRAM_IN_MEMORY: bool -- lower may take the program export holds in memory (pipeline/exporters/handoff.py)
     LOWERS_NON_STRICT: bool  -- it lowers a non-strict exported program (export.strict: null, fp32)
+    TAIL_LOGITS: bool        -- it lowers logits mode `tail` (a symbolic min(T, K) rows; export.logits_mode=auto
+                                picks `selected` where it does not)
     refuses(scheme, group, dtype, gemm) -- why this backend cannot build a quantization scheme at that
                                 export.dtype (gemm: a linear's weight), or None (preflight asks)
     refuses_cache(mode, flags) -- why it cannot build a cache mode with these custom-op flags, or None
@@ -29,6 +31,12 @@ Each declares:
 from __future__ import annotations
 
 from pipeline.backends import mlx, portable, xnnpack
+from pipeline.model import cache_modes
 from pipeline.registry import Registry
 
 BACKENDS = Registry("backend.name", {m.__name__.rsplit(".", 1)[-1]: m for m in (xnnpack, portable, mlx)})
+
+
+def logits_mode(cfg) -> str:
+    """export.logits_mode as built (pipeline/model/cache_modes logits_mode), `tail` only where the backend lowers it."""
+    return cache_modes.logits_mode(cfg, tail=BACKENDS[cfg.backend.name].TAIL_LOGITS)

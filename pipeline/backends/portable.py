@@ -11,6 +11,7 @@ DELEGATES_MATMULS = False  # lower refuses a half-precision program with matmuls
 NATIVE_RUNNER = True
 LOWERS_PROGRAM_IN_MEMORY = False  # not held to the bytes of the file: it loads program.pt2
 LOWERS_NON_STRICT = False  # not measured
+TAIL_LOGITS = True
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:

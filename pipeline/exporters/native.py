@@ -11,11 +11,11 @@ import json
 
 import torch
 
-from pipeline import abi
-from pipeline.backends import BACKENDS
+from pipeline import abi, ops
+from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
 from pipeline.config import v
 from pipeline.exporters import handoff
-from pipeline.model.cache_modes import CACHE_MODES, flags, logits_mode as resolve_logits_mode
+from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 from pipeline.store.files import write_streaming
@@ -90,8 +90,12 @@ def export(ctx) -> dict:
         from pipeline.model.tied_head import store_tied_once
         info.update(store_tied_once(module.model))
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
+    logits_mode = resolve_logits_mode(ctx.cfg)
+    if logits_mode == "tail":
+        from pipeline.model.logits_rows import head_on_rows
+        head_on_rows(module.model)
     with spinner("torch.export", ctx.progress):
-        ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, resolve_logits_mode(ctx.cfg))
+        ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, logits_mode)
     del module
     write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY and fp32:
@@ -107,7 +111,8 @@ def runner_constants(ctx) -> dict:
     bos, eos = abi.special_ids(ctx.inputs["download"] / "model")
     return abi.constant_methods(context=e.max_context_len, chunk=e.prefill_chunk, vocab=ctx.geometry.vocab_size,
                                 dtype=v(e.dtype), logits_mode=resolve_logits_mode(ctx.cfg), bos=bos, eos=eos,
-                                build_hash=ctx.build_hash, chat=abi.chat_template_name(ctx.inputs["download"] / "model"))
+                                build_hash=ctx.build_hash, chat=abi.chat_template_name(ctx.inputs["download"] / "model"),
+                                tail_rows=e.tail_rows)
 
 
 def constant_methods(ctx) -> dict:
@@ -116,9 +121,9 @@ def constant_methods(ctx) -> dict:
     from transformers import AutoConfig
     e = ctx.cfg.export
     text = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
-    return {**runner_constants(ctx),
-            **CACHE_MODES[ctx.cfg.cache.mode].constant_methods(text, e.max_context_len, e.prefill_chunk,
-                                                                flags(ctx.cfg.cache))}
+    mode = CACHE_MODES[ctx.cfg.cache.mode]
+    return {**runner_constants(ctx), abi.SDPA_WITH_KV_CACHE: mode.sdpa_with_kv_cache(flags(ctx.cfg.cache)),
+            **mode.constant_methods(text, e.max_context_len, e.prefill_chunk, flags(ctx.cfg.cache))}
 
 
 # nodes outside a delegate that run no kernel (tuple unpacking, shape reads)
@@ -188,16 +193,40 @@ def lower(ctx) -> dict:
         et.write_to_file(f)
     # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts, a recurrent
     # layer's state ops: an in-place op shows in the edge report as auto_functionalized, so ask the program itself)
-    called = {op.name for plan in et.executorch_program.execution_plan for op in plan.operators}
-    ours = {"llmpipe"} if any(name.startswith("llmpipe::") for name in called) else set()
+    called, delegates = ops.program_operators(et.executorch_program.execution_plan)
+    ours = {"llmpipe"} if "llmpipe" in {ops.namespace(op) for op in called} else set()
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
                          "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours)}
     report["constant_methods"] = methods
+    report["deploy"] = {"operators": called, "delegates": delegates, **ops.requirements(called, delegates),
+                        "runners": runners(cfg)}
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
-    return {"pte_bytes": pte.stat().st_size, "delegated_nodes": report["delegated_nodes"],
+    return {"pte_bytes": pte.stat().st_size, "deploy": report["deploy"], "delegated_nodes": report["delegated_nodes"],
             "non_delegated_nodes": report["non_delegated_nodes"],
             "delegated_subgraphs": report["delegated_subgraphs"], "delegate_calls": report["delegate_calls"],
             "portable_ops": report["portable_ops"], "delegation_by_op": report["by_op"]}
+
+
+def runners(cfg) -> dict:
+    """Which runners run this program: ours always (the Python runner; llm_runner where the backend's programs run in
+    it), ExecuTorch's TextLLMRunner where forward takes (tokens, positions) and the cache is in the program; `why`
+    says what keeps TextLLMRunner out."""
+    backend, mode = BACKENDS[cfg.backend.name], CACHE_MODES[cfg.cache.mode]
+    names = ["python -m pipeline.generate"] + (["llm_runner"] if backend.NATIVE_RUNNER else [])
+    if mode.RUNTIME_OWNED and backend.NATIVE_RUNNER:
+        names.append("llm_batched_runner")
+    logits = resolve_logits_mode(cfg)
+    why = None
+    if mode.RUNTIME_OWNED:
+        why = (f"the KV cache is the runtime's (cache.mode={v(cfg.cache.mode)}): our runners create it and pass it to "
+               "the program's ops")
+    elif logits not in abi.TWO_INPUT_LOGITS_MODES:
+        why = f"forward takes a third input, rows (export.logits_mode={logits}); TextLLMRunner passes two"
+    elif not backend.NATIVE_RUNNER:
+        why = f"its delegate (backend={v(cfg.backend.name)}) does not run on this machine"
+    if why is None:
+        names.append("TextLLMRunner")
+    return {"runners": names, "text_llm_runner": why is None, "text_llm_runner_why": why}
 
 
 def artifacts(entry) -> dict:

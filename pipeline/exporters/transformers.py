@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline import ops
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.exporters.native import runner_constants
@@ -220,9 +221,18 @@ def lower(ctx) -> dict:
         "delegated_nodes": sum(comps[n]["delegated_nodes"] for n in COMPONENTS),
         "non_delegated_nodes": sum(comps[n]["non_delegated_nodes"] for n in COMPONENTS),
     }
+    called, delegates = set(), set()
+    for n in COMPONENTS:
+        o, d = ops.program_operators(ops.read_program(ctx.out / f"{n}.pte"))
+        called, delegates = called | set(o), delegates | set(d)
+    lowered["deploy"] = {"operators": sorted(called), "delegates": sorted(delegates),
+                         **ops.requirements(called, delegates),
+                         "runners": {"runners": ["python -m pipeline.generate"], "text_llm_runner": False,
+                                     "text_llm_runner_why": "two programs whose KV cache is an input and an output: "
+                                                            "our Python runner passes it between calls"}}
     (ctx.out / "lower.json").write_text(json.dumps(lowered, indent=2))
     sizes = {n: (ctx.out / f"{n}.pte").stat().st_size for n in COMPONENTS}
-    return {"pte_bytes": sum(sizes.values()), **{f"{n}_pte_bytes": b for n, b in sizes.items()},
+    return {"pte_bytes": sum(sizes.values()), "deploy": lowered["deploy"], **{f"{n}_pte_bytes": b for n, b in sizes.items()},
             "delegated_nodes": lowered["delegated_nodes"], "non_delegated_nodes": lowered["non_delegated_nodes"]}
 
 

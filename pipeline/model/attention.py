@@ -13,13 +13,20 @@ import torch
 from torch import nn
 
 from pipeline.model import archs
+from pipeline.model.logits_rows import tail_indices
 
 
-def logits_to_keep(logits_mode: str, tokens: torch.Tensor, rows: Optional[torch.Tensor]):
+DEFAULT_TAIL_ROWS = 4  # export.tail_rows' default, for a module wrapped before it was set
+
+
+def logits_to_keep(logits_mode: str, tokens: torch.Tensor, rows: Optional[torch.Tensor] = None,
+                   tail_rows: int = DEFAULT_TAIL_ROWS):
     """HF's `logits_to_keep` for a logits mode: 0 = every row (`full`), 1 = the last (`last`, and `selected`
-    called without rows), else the row indices (`selected`)."""
+    called without rows), the last min(T, tail_rows) row indices (`tail`), else the rows asked (`selected`)."""
     if logits_mode == "selected" and rows is not None:
         return rows.reshape(-1)
+    if logits_mode == "tail":
+        return tail_indices(tokens.shape[1], tail_rows)
     return 0 if logits_mode == "full" else 1
 
 
@@ -141,6 +148,8 @@ class HookedAttentionLM(nn.Module):
     implementation is switched to `attn_fn` (an HF attention-interface function, registered as `attn_impl`)
     during each call."""
 
+    tail_rows = DEFAULT_TAIL_ROWS  # logits mode `tail`: cache_modes.wrap sets the build's
+
     def __init__(self, model: nn.Module, logits_mode: str, attn_impl: str, attn_fn):
         super().__init__()
         self.model = model
@@ -175,7 +184,7 @@ class HookedAttentionLM(nn.Module):
         """`rows` (logits mode `selected`): the rows whose logits come back, [1, R, V]; without it a `selected`
         wrapper returns the last row, as `last` does (what a single-session caller asks)."""
         # positions go to HF explicitly and no HF cache: HF would derive them from an empty cache
-        keep = logits_to_keep(self.logits_mode, tokens, rows)
+        keep = logits_to_keep(self.logits_mode, tokens, rows, self.tail_rows)
         with self._attn_impl():
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
                               logits_to_keep=keep).logits

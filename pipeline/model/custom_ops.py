@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, define_op, kv_source,
-                                      link_kv_sources, query_positions, step_args)
+                                      link_kv_sources, logits_to_keep, query_positions, step_args)
 from pipeline.model.kv_layout import cache_layout
 
 NAMESPACE = "llmpipe"
@@ -141,8 +141,9 @@ class SdpaStaticCacheLM(HookedAttentionLM):
         from pipeline.model.cache_modes.static import start_step
         start_step(self.cache, positions)
         with self._attn_impl():
+            keep = logits_to_keep(self.logits_mode, tokens, None, self.tail_rows)
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
-                              use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0).logits
+                              use_cache=True, logits_to_keep=keep).logits
 
     def reset(self) -> None:
         from pipeline.model.cache_modes.static import reset_static_cache

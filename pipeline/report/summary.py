@@ -64,6 +64,14 @@ def print_summary(m: dict) -> None:
                    if c["non_delegated"] and op != "getitem"}
         if outside:
             print(f"  outside the delegate, by op: {outside}")
+    dep = m.get("deploy")
+    if dep:
+        beyond = dep["beyond_stock"]
+        print("  operators: " + ("ExecuTorch's stock libraries alone" if not beyond else "beyond ExecuTorch's stock "
+              "libraries " + ", ".join(f"{op} ({lib.split(' ')[0]})" for op, lib in beyond.items())))
+        r = dep["runners"]
+        print(f"  runs in: {', '.join(r['runners'])}"
+              + ("" if r["text_llm_runner"] else f"; not ExecuTorch's TextLLMRunner: {r['text_llm_runner_why']}"))
     v = m.get("verify")
     if v and v.get("gate"):
         print(f"  verify gate: {v['gate']}")

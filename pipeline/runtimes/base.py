@@ -71,8 +71,11 @@ class RunnerProgram:
         # logits mode `selected`: forward takes rows Long[R]; a single-session call asks for the last row
         mode = abi.ints(self.program.constant(abi.LOGITS_MODE))[0] if abi.LOGITS_MODE in names else None
         self.selected = mode == abi.LOGITS_MODE_CODES["selected"]
-        # every row's logits in one call (speculation's verify step): a `full` or `selected` program
-        self.rows_logits = mode in (abi.LOGITS_MODE_CODES["full"], abi.LOGITS_MODE_CODES["selected"])
+        # every row's logits in one call (speculation's verify step): a `full` or `selected` program, or a `tail`
+        # one's last get_tail_rows rows
+        self.tail_rows = abi.ints(self.program.constant(abi.TAIL_ROWS))[0] if abi.TAIL_ROWS in names else None
+        self.rows_logits = mode in (abi.LOGITS_MODE_CODES["full"], abi.LOGITS_MODE_CODES["selected"],
+                                    abi.LOGITS_MODE_CODES["tail"])
         self.recurrent = "get_state_shapes" in names  # recurrent layers: a state that cannot be rewound
         if "get_n_caches" in names:
             policy = policy or CachePolicy()
@@ -87,12 +90,21 @@ class RunnerProgram:
     def constant(self, name: str):
         return self.program.constant(name)
 
+    @property
+    def verify_rows(self) -> int:
+        """The most rows whose logits one call returns (a verify step's width): the chunk, or a `tail` program's
+        get_tail_rows."""
+        return min(self.chunk, self.tail_rows) if self.tail_rows else self.chunk
+
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, all_rows: bool = False) -> torch.Tensor:
-        """Logits [1, R, V]: the last row, or with `all_rows` every row (a `full` or `selected` program)."""
+        """Logits [1, R, V]: the last row, or with `all_rows` every row (a `full` or `selected` program; a `tail`
+        one's up to get_tail_rows)."""
         def forward():
             rows = torch.arange(tokens.shape[1]) if all_rows else torch.tensor([tokens.shape[1] - 1])
             extra = [rows.to(torch.long)] if self.selected else []
-            return self.program.execute([tokens, positions, *extra])[0]
+            out = self.program.execute([tokens, positions, *extra])[0]
+            # a `tail` program returns its last rows: the last one alone where one was asked
+            return out[:, -1:] if self.tail_rows and not all_rows else out
         return forward() if self.cache is None else run_step(self.cache, positions, forward)
 
     def reset(self) -> None:

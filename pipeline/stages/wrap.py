@@ -13,7 +13,8 @@ import torch
 
 from pipeline.abi import DTYPES
 from pipeline.config import v
-from pipeline.model.cache_modes import flags, logits_mode as resolve_logits_mode, wrap
+from pipeline.backends import logits_mode as resolve_logits_mode
+from pipeline.model.cache_modes import flags, wrap
 from pipeline.model.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
@@ -22,7 +23,8 @@ from pipeline.store.files import write_streaming
 
 NAME, VERSION = "wrap", 2
 AFTER = ("download",)
-CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode")
+CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode",
+               "export.tail_rows")
 # the wrapper must reproduce HF's own forward this closely, relative to the logits' scale (the largest |logit| of
 # the rows compared, at least 10): a half-precision forward rounds every op to its own epsilon (bf16 2^-8), and the
 # two forwards round in different orders, more so over the long check (measured, wrap.json "self_check": SmolLM2 and
@@ -46,7 +48,7 @@ def run(ctx) -> dict:
     dtype = v(e.dtype)
     kv_dtype = ctx.cfg.cache.kv_dtype
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
-                  DTYPES[v(kv_dtype)] if kv_dtype is not None else None)
+                  DTYPES[v(kv_dtype)] if kv_dtype is not None else None, tail_rows=e.tail_rows)
     with spinner("self-check against HF forward", ctx.progress):
         check = compare(module, ids, kept, prefill, e.prefill_chunk)
     # half K/V storage (cache.kv_dtype) rounds like a half forward does
@@ -60,7 +62,7 @@ def run(ctx) -> dict:
     write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))
     spec = {
         "cache_mode": mode, "cache_flags": flags(ctx.cfg.cache), "max_context_len": e.max_context_len, "prefill_chunk": e.prefill_chunk,
-        "dtype": dtype, "logits_mode": logits_mode, "layer_types": g.layer_types,
+        "dtype": dtype, "logits_mode": logits_mode, "tail_rows": e.tail_rows, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
         "vocab_size": g.vocab_size, "arch": g.arch, "rewrites": rewritten, "self_check": check,
     }

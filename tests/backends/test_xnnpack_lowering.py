@@ -98,6 +98,6 @@ def test_a_decoder_layer_is_one_delegate_call(tiny_custom):
     assert outside.pop("auto_functionalized_v2") == layers
     assert outside.pop("llmpipe_tied_head_default") == 1
     # what stays outside is computed once per forward, before the first layer (positions, embedding, RoPE angles),
-    # one view of the positions per layer, and the views of the rows asked (logits mode `selected`, the default here)
+    # one view of the positions per layer, and the rows kept (logits mode `tail`, the default here: their indices and views)
     assert outside.pop("aten_view_copy_default") <= layers + 2
     assert sum(outside.values()) <= 7, outside

@@ -99,7 +99,7 @@ def test_the_default_program_stores_the_tied_embedding_once(smollm2_default):
 
 
 def test_speculation_keeps_the_default_programs_greedy_tokens(smollm2_default):
-    """--speculate ngram on the default program (export.logits_mode=auto: `selected`) in both runners: a prompt whose
+    """--speculate ngram on the default program (export.logits_mode=auto: `tail`) in both runners: a prompt whose
     answer copies it, so drafts are kept and rejected at many depths; the tokens equal plain decoding's."""
     m = smollm2_default
     text = ("Copy this sentence, but write 'green' instead of 'blue': The small blue boat sailed past the old "

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline import preflight
+from pipeline import memory_estimate, preflight
 from pipeline.config import v
 from pipeline.archs import readme_with_table
 from pipeline.model import archs, sources
@@ -71,7 +71,7 @@ def test_geometry_names_every_linear_the_model_has(model_type):
     assert linears == {n: (o, i) for n, (o, i, _) in g.linear_specs().items()}
     # the parameter count preflight estimates from, within the norms it counts roughly
     norms = sum(p.numel() for n, p in model.named_parameters() if p.dim() < 2)
-    assert abs(preflight.parameter_count(g) - sum(p.numel() for p in model.parameters())) <= norms
+    assert abs(memory_estimate.parameter_count(g) - sum(p.numel() for p in model.parameters())) <= norms
 
 
 @pytest.mark.parametrize("mode", sorted(CACHE_MODES))

@@ -223,9 +223,9 @@ def _cache_buffer_bytes(module) -> int:
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", CONFIGS + ["tiny_llama", "tiny_gemma3"])
 def test_preflight_kv_estimate_is_what_the_wrapped_module_allocates(name, mode, dtype, context):
-    """preflight's kv_cache_bytes, from the geometry alone, equals the bytes each cache mode's module allocates:
+    """memory_estimate's kv_cache_bytes, from the geometry alone, equals the bytes each cache mode's module allocates:
     per-layer heads and dims, no storage for KV-shared layers, rings only where the mode keeps them."""
-    from pipeline import preflight
+    from pipeline import memory_estimate
     from pipeline.model.cache_modes import CACHE_MODES
     cache_mode, mode_flags = MODES[mode]
     mode_flags = mode_flags or CACHE_MODES[cache_mode].FLAGS[0]
@@ -234,7 +234,7 @@ def test_preflight_kv_estimate_is_what_the_wrapped_module_allocates(name, mode, 
                       f"export.max_context_len={context}", "export.prefill_chunk=8")
     model = tiny_model(name).to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     module = wrap(model, cache_mode, context, "last", 8, mode_flags)
-    estimate = preflight.kv_cache_bytes(cfg, sources.geometry(cfg.model))
+    estimate = memory_estimate.kv_cache_bytes(cfg, sources.geometry(cfg.model))
     assert estimate == _cache_buffer_bytes(module) > 0, (name, mode, dtype, context)
     if (name, cache_mode, dtype, context) == ("tiny_gemma4", "offgraph", "fp32", 64):
         assert estimate == 25216  # the C++ runner's cache at capacity 64, chunk 8 (tests/native/test_gemma4_native.py)

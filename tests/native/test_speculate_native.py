@@ -57,10 +57,13 @@ def test_greedy_speculation_keeps_the_plain_tokens(native_bins, make):
 
 def test_what_cannot_speculate_is_refused_before_any_token(native_bins):
     last = build("tiny_llama_offgraph", "verify.enabled=false", "export.logits_mode=last")
-    with pytest.raises(native.NativeRunError, match="export.logits_mode=selected"):
+    with pytest.raises(native.NativeRunError, match="export.logits_mode=tail"):
         _speculate(last, 8)
     with pytest.raises(native.NativeRunError, match="at most 15 drafts"):
         _speculate(build("tiny_llama_offgraph", "verify.enabled=false"), 8, "--draft-max", "16")
+    # a `tail` program (the custom mode's default) returns its last 4 rows: 3 drafts at most
+    with pytest.raises(native.NativeRunError, match="forward of at most 4 rows: at most 3 drafts"):
+        _speculate(build("tiny_llama_custom", "verify.enabled=false"), 8, "--draft-max", "4")
     hybrid = build_family("lfm2", "xnnpack", "custom", "fp32", "export.prefill_chunk=8", "verify.enabled=false")
     with pytest.raises(native.NativeRunError, match="recurrent state inside the program.*cache.mode=offgraph"):
         _speculate(hybrid, 8)

@@ -291,7 +291,7 @@ int run(const Options& given) {
   // prompts -> ids
   std::vector<std::vector<int64_t>> prompts;
   for (const std::string& p : o.prompts) {
-    std::vector<int64_t> ids = o.ids ? parse_ids(p) : encode_turn(*tok, tpl, p, true, info.bos_id);
+    std::vector<int64_t> ids = o.ids ? parse_ids(p) : encode_turn(*tok, tpl, p, true);
     cli::check_prompt_ids(ids, info.vocab_size);
     prompts.push_back(std::move(ids));
   }

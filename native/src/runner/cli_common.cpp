@@ -208,7 +208,7 @@ std::string speculate_help(int width) {
   const speculate::Options d;
   return line("--speculate off|ngram", "ngram: prompt-lookup speculative decoding: drafts from the\n" + pad +
                                            "context, verified in one forward (a program exported with\n" + pad +
-                                           "export.logits_mode=selected or full) (default: off)\n") +
+                                           "export.logits_mode=tail, selected or full) (default: off)\n") +
          line("--draft-max K", "most tokens drafted a step, below the program's chunk; the\n" + pad +
                                    "draft adapts to the acceptance rate; above 3, greedy output\n" + pad +
                                    "may differ from plain decoding at near-ties (default: " +

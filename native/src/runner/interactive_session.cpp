@@ -65,7 +65,7 @@ void run_interactive(const Options& o, const ChatTemplate& tpl, const Tokenizer&
       continue;
     }
     bool first = marks.empty();
-    std::vector<int64_t> ids = encode_turn(tok, tpl, line, first, info.bos_id);
+    std::vector<int64_t> ids = encode_turn(tok, tpl, line, first);
     int64_t need = static_cast<int64_t>(ids.size()) + (pending >= 0 ? 1 : 0);
     if (need == 0) {  // e.g. raw text (--chat 0) the tokenizer has no tokens for
       std::fprintf(stderr, "[refused] this line encodes to no tokens\n> ");

@@ -4,6 +4,7 @@
 // This file loads the program, the tokenizer and the KV cache owner and runs one prompt or hands over
 // to the interactive loop. Beside it: runner_options (flags, --help), turn_runner (prefill + decode),
 // turn_report (stats JSON, report lines), interactive_session (the stdin loop).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -50,8 +51,8 @@ void check_vocab(const Tokenizer& tok, const ProgramInfo& info) {
 
 // --speculate ngram: refused before any token where a verify step cannot run or cannot be rolled back.
 void check_speculation(const Options& o, const LlmProgram& prog, const KvCacheOwner& cache, int64_t chunk) {
-  const std::string why = speculate::why_not(prog.all_rows_logits(), logits_mode_name(prog.info().logits_mode),
-                                             o.speculate.draft_max, chunk);
+  const std::string why = speculate::why_not(prog.verify_rows() > 1, logits_mode_name(prog.info().logits_mode),
+                                             o.speculate.draft_max, std::min(chunk, prog.verify_rows()));
   if (!why.empty()) throw ProgramError(why);
   if (cache.recurrent() && !cache.can_snapshot())
     throw ProgramError("--speculate: this program keeps its recurrent state inside the program (cache.mode=custom), "
@@ -75,16 +76,13 @@ void compare_plain(Runner& runner, KvCacheOwner& cache, const std::vector<int64_
 int run_encode(const Options& o) {
   if (!o.chat.empty()) chat_template(o.chat);  // validate before the slow parts
   auto tok = Tokenizer::from_file(o.tokenizer);
-  int64_t bos = -1;
   std::string program_template;
   if (!o.pte.empty()) {
     cli::verify_program(o);
-    LlmProgram prog(o.pte);
-    bos = prog.info().bos_id;
-    program_template = prog.info().chat_template;
+    program_template = LlmProgram(o.pte).info().chat_template;
   }
   ChatTemplate tpl = chat_template(cli::resolve_chat(o.chat, program_template));
-  std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true, bos);
+  std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true);
   std::string line;
   for (size_t i = 0; i < ids.size(); ++i) {
     if (i) line += ' ';
@@ -199,7 +197,7 @@ int run(const Options& given) {
 
   if (!o.interactive) {
     std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids)
-                                                : encode_turn(*tok, tpl, o.prompt, true, info.bos_id);
+                                                : encode_turn(*tok, tpl, o.prompt, true);
     // an empty --prompt-ids is refused while parsing; a text that encodes to nothing is the tokenizer's doing
     if (ids.empty()) throw ProgramError("the prompt encodes to no tokens (tokenizer '" + o.tokenizer + "')");
     cli::check_prompt_ids(ids, info.vocab_size);

@@ -123,7 +123,7 @@ void Runner::decode_speculative(const std::vector<int64_t>& context, int64_t nex
   const int64_t V = prog_.info().vocab_size, ctx = cache_.capacity();
   const speculate::Options& so = o_.speculate;
   speculate::NgramDrafter drafter(so.ngram_min, so.ngram_max);
-  speculate::DraftBudget budget(std::min(so.draft_max, chunk_ - 1));
+  speculate::DraftBudget budget(std::min({so.draft_max, chunk_ - 1, prog_.verify_rows() - 1}));
   drafter.extend(context);
   drafter.push(next);
   r.speculated = true;

@@ -62,13 +62,10 @@ std::string ChatTemplate::render(const std::string& user_text, bool first) const
   return s;
 }
 
-std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text,
-                                 bool first, int64_t program_bos) {
+std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text, bool first) {
   std::vector<int32_t> ids = tok.encode(tpl.render(text, first), /*add_special_tokens=*/false);
   if (tpl.raw && first) {
-    // Raw text with BOS: the tokenizer's own BOS if its post-processor adds
-    // one, else the program's.
-    int64_t bos = tok.bos_id() >= 0 ? tok.bos_id() : program_bos;
+    const int64_t bos = tok.bos_id();  // the post-processor's, or -1
     if (bos >= 0 && (ids.empty() || ids[0] != bos)) ids.insert(ids.begin(), static_cast<int32_t>(bos));
   }
   return std::vector<int64_t>(ids.begin(), ids.end());

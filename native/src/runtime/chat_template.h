@@ -24,10 +24,9 @@ struct ChatTemplate {
 
 class Tokenizer;
 
-// The ids of one user turn (the template applied; raw text gets a BOS: the tokenizer's
-// post-processor BOS if it has one, else `program_bos`).
-std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text,
-                                 bool first, int64_t program_bos);
+// The ids of one user turn (the template applied; raw text as the tokenizer encodes it, with the BOS its
+// post-processor adds, if any: what HF's tokenizer, the Python runner and ExecuTorch's runner feed).
+std::vector<int64_t> encode_turn(const Tokenizer& tok, const ChatTemplate& tpl, const std::string& text, bool first);
 
 // Throws std::invalid_argument for an unknown name.
 ChatTemplate chat_template(const std::string& name);

@@ -43,6 +43,7 @@ const char* logits_mode_name(int64_t mode) {
     case 0: return "full";
     case 1: return "last";
     case 2: return "selected";
+    case 3: return "tail";
     default: return "?";
   }
 }
@@ -298,9 +299,15 @@ LlmProgram::LlmProgram(const std::string& path) {
                        std::to_string(info_.activation_dtype) +
                        " (expected 5 Half, 6 Float or 15 BFloat16)");
   info_.logits_mode = read_int("get_logits_to_keep_mode", true, 0);
-  if (info_.logits_mode < 0 || info_.logits_mode > 2)
+  if (info_.logits_mode < 0 || info_.logits_mode > 3)
     throw ProgramError("constant method 'get_logits_to_keep_mode' returned " +
-                       std::to_string(info_.logits_mode) + " (expected 0 full, 1 last, 2 selected)");
+                       std::to_string(info_.logits_mode) + " (expected 0 full, 1 last, 2 selected, 3 tail)");
+  if (info_.logits_mode == 3) {
+    info_.tail_rows = read_int("get_tail_rows", true, 0);
+    if (info_.tail_rows < 1)
+      throw ProgramError("constant method 'get_tail_rows' returned " + std::to_string(info_.tail_rows) +
+                         " (a `tail` program returns at least one row)");
+  }
   info_.bos_id = read_int("get_bos_id", true, -1);
   if (info_.bos_id < 0 || info_.bos_id >= info_.vocab_size)
     throw ProgramError("constant method 'get_bos_id' returned " + std::to_string(info_.bos_id) +
@@ -406,10 +413,11 @@ const std::vector<float>& LlmProgram::forward_rows(const int64_t* tokens, const 
     pos_buf_[i] = positions[i];
   }
   for (int64_t r : rows)
-    if (r < 0 || r >= n || (!all_rows_logits() && r != n - 1))
+    if (r < 0 || r >= n || (!all_rows_logits() && r < n - verify_rows()))
       throw ProgramError("logits of row " + std::to_string(r) + " of a " + std::to_string(n) +
                          "-row step asked from a program with logits mode '" +
-                         logits_mode_name(info_.logits_mode) + "' (only 'full' and 'selected' have every row)");
+                         logits_mode_name(info_.logits_mode) + "' (it returns the last " +
+                         std::to_string(verify_rows()) + "; 'full' and 'selected' have every row)");
   execute(n, rows, &rows_logits_);
   return rows_logits_;
 }
@@ -448,10 +456,14 @@ void LlmProgram::execute(int64_t n, const std::vector<int64_t>& rows, std::vecto
   if (selected && out_rows != std::max<int64_t>(static_cast<int64_t>(rows.size()), 1))
     throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for " +
                        std::to_string(rows.size()) + " selected rows");
+  if (!selected && out_rows > n)
+    throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for a " + std::to_string(n) +
+                       "-row step");
   for (size_t k = 0; k < rows.size(); ++k) {
-    // selected: output row k is rows[k]; R == n: row r is output row r; otherwise the program kept the last row
-    const int64_t src = selected ? static_cast<int64_t>(k) : out_rows == n ? rows[k] : out_rows - 1;
-    if (!selected && out_rows != n && rows[k] != n - 1)
+    // selected: output row k is rows[k]; otherwise the program kept the step's last out_rows rows (all of them,
+    // the last few, or the last one)
+    const int64_t src = selected ? static_cast<int64_t>(k) : rows[k] - (n - out_rows);
+    if (src < 0)
       throw ProgramError("forward returned " + std::to_string(out_rows) + " logits rows for a " +
                          std::to_string(n) + "-row step; row " + std::to_string(rows[k]) + " is not among them");
     const int64_t off = src * V;

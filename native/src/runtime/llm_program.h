@@ -1,5 +1,6 @@
 // An exported LLM program (.pte) with the pipeline's ABI:
 //   forward(tokens Long[1,T], positions Long[T] [, rows Long[R]]) -> logits [1,R,V]
+// (R = T `full`, 1 `last`, min(T, get_tail_rows) `tail`: the step's last rows; `selected`: the rows asked)
 // plus constant methods describing it (see ProgramInfo).
 #pragma once
 
@@ -28,7 +29,8 @@ struct ProgramInfo {
   int64_t max_seq_len = 0;      // get_max_seq_len (prefill chunk)
   int64_t vocab_size = 0;       // get_vocab_size
   int64_t activation_dtype = 0; // get_activation_dtype (ScalarType code)
-  int64_t logits_mode = 0;      // get_logits_to_keep_mode: 0 full, 1 last, 2 selected
+  int64_t logits_mode = 0;      // get_logits_to_keep_mode: 0 full, 1 last, 2 selected, 3 tail
+  int64_t tail_rows = 0;        // get_tail_rows (logits mode tail): the most rows a forward returns
   int64_t bos_id = -1;          // get_bos_id
   std::vector<int64_t> eos_ids; // get_eos_ids
   bool has_recipe_hash = false;
@@ -82,6 +84,12 @@ class LlmProgram {
                                          const std::vector<int64_t>& rows);
   // Any row's logits can be had in one forward (logits mode `full` or `selected`).
   bool all_rows_logits() const { return info_.logits_mode == 0 || info_.logits_mode == 2; }
+  // The most trailing rows of a step whose logits one forward returns (speculation's verify width): the chunk,
+  // a `tail` program's get_tail_rows, or 1 (`last`).
+  int64_t verify_rows() const {
+    if (all_rows_logits()) return info_.max_seq_len;
+    return info_.logits_mode == 3 ? info_.tail_rows : 1;
+  }
 
  private:
   int64_t read_int(const std::string& method, bool required, int64_t fallback);

@@ -35,7 +35,7 @@ struct Options {
 inline std::string why_not(bool all_rows, const std::string& mode, int64_t draft_max, int64_t rows) {
   if (!all_rows)
     return "--speculate: this program returns the last row's logits only (logits mode " + mode + "); speculation "
-           "verifies a draft in one forward and needs every row's: rebuild with export.logits_mode=selected (or full)";
+           "verifies a draft in one forward and needs every row's: rebuild with export.logits_mode=tail (or selected, full)";
   if (draft_max > rows - 1)
     return "--draft-max " + std::to_string(draft_max) + ": a verify step feeds the drafts after the last token in one "
            "forward of at most " + std::to_string(rows) + " rows: at most " + std::to_string(rows - 1) + " drafts";

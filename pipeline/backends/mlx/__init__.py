@@ -22,6 +22,7 @@ NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernel
 # cannot type (loaded from program.pt2 they are plain tensors): it loads the file
 LOWERS_PROGRAM_IN_MEMORY = False
 LOWERS_NON_STRICT = False  # the same: a non-strict program's values are the tensor subclasses (found by CI)
+TAIL_LOGITS = False  # its lowering cannot take the symbolic min(T, K) rows (sym_min of a delegate's output)
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:

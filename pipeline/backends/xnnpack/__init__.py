@@ -25,6 +25,7 @@ DELEGATES_MATMULS = True
 LOWERS_PROGRAM_IN_MEMORY = True
 # lowers a non-strict exported program (export.strict: null): the same program bits, about half the export time
 LOWERS_NON_STRICT = True
+TAIL_LOGITS = True
 
 log = logging.getLogger(__name__)
 

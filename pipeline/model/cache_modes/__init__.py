@@ -8,7 +8,9 @@ Each module declares:
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
     exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
-    takes_rows(flags) -> bool -- its module takes the rows input (export.logits_mode=auto is `selected` there)
+    takes_rows(flags) -> bool -- its module takes the rows input (export.logits_mode=auto is `tail` or `selected`
+                              there: logits_mode below)
+    sdpa_with_kv_cache(flags) -> bool -- attention is one custom op over the cache (ExecuTorch's runner metadata)
     kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
     refuses_arch(arch, flags) -> str | None -- why the mode cannot build a model of this architecture's entry
     wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->
@@ -28,23 +30,31 @@ def flags(cache) -> dict:
     return {"custom_sdpa": bool(cache.custom_sdpa), "custom_kv_cache": bool(cache.custom_kv_cache)}
 
 
-def logits_mode(cfg) -> str:
-    """export.logits_mode as built. `auto`: `selected` where the cache mode's module takes a rows input (a decode
-    step asks one row, as `last` does; speculation's verify step and the batched runner ask several rows of one
-    forward), else `last`."""
+def logits_mode(cfg, tail: bool = True) -> str:
+    """export.logits_mode as built. `auto`, where the cache mode's module takes a rows input: `tail` when the cache
+    is in the program and the backend lowers it (a decode step computes one row; speculation's verify step its few
+    rows; ExecuTorch's own runner drives it with two inputs and reads the last row), else `selected` (the batched
+    runner asks rows of several sessions of a runtime-owned cache in one forward); `last` elsewhere."""
     mode = cfg.export.logits_mode
     mode = getattr(mode, "value", mode)
     if mode != "auto":
         return mode
-    return "selected" if CACHE_MODES[cfg.cache.mode].takes_rows(flags(cfg.cache)) else "last"
+    m = CACHE_MODES[cfg.cache.mode]
+    if not m.takes_rows(flags(cfg.cache)):
+        return "last"
+    return "tail" if tail and not m.RUNTIME_OWNED else "selected"
 
 
 def wrap(model, mode: str, context: int, logits_mode: str, chunk: int | None = None, mode_flags: dict | None = None,
-         kv_dtype=None):
+         kv_dtype=None, tail_rows: int | None = None):
     """The runner-layout module of `mode` over an HF causal LM, in eval mode (rings sized by the chunk);
-    mode_flags None: the mode's default flags; kv_dtype None: the K/V buffers in the model's dtype."""
+    mode_flags None: the mode's default flags; kv_dtype None: the K/V buffers in the model's dtype; tail_rows:
+    logits mode `tail`'s most rows (None: the default)."""
     m = CACHE_MODES[mode]
     flags_ = mode_flags or m.FLAGS[0]
     if kv_dtype is not None and m.kv_dtype_refused(flags_):
         raise ValueError(f"cache.mode={mode}: {m.kv_dtype_refused(flags_)}")
-    return m.wrap(model, context, logits_mode, chunk or context, flags_, kv_dtype).eval()
+    module = m.wrap(model, context, logits_mode, chunk or context, flags_, kv_dtype).eval()
+    if tail_rows is not None:
+        module.tail_rows = int(tail_rows)
+    return module

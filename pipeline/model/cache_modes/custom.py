@@ -38,7 +38,7 @@ FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
 RUNTIME_OWNED = False     # the cache is in the program
 KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_cache.out: native/'s kernel library
-LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
+LOGITS_MODES = ("full", "last", "tail", "selected")  # export.logits_mode values
 
 NAMESPACE = "llmpipe"
 OP_NAME = "cached_attention"
@@ -134,6 +134,11 @@ def exports_non_strict(flags: dict) -> bool:
 def takes_rows(flags: dict) -> bool:
     """The fused op's module takes rows; either op alone wraps HF's StaticCache, which has no rows input."""
     return fused(flags)
+
+
+def sdpa_with_kv_cache(flags: dict) -> bool:
+    """Attention is one of our ops reading the cache (the fused op, or llmpipe::sdpa over HF's cache)."""
+    return bool(flags["custom_sdpa"])
 
 
 def rings(flags: dict) -> bool:

@@ -39,11 +39,15 @@ FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
-LOGITS_MODES = ("full", "last", "selected")  # export.logits_mode values
+LOGITS_MODES = ("full", "last", "tail", "selected")  # export.logits_mode values
 
 
 def takes_rows(flags: dict) -> bool:
     return True
+
+
+def sdpa_with_kv_cache(flags: dict) -> bool:
+    return True  # one op per layer updates the runtime's cache and attends
 
 NAMESPACE = "llmpipe"
 OP_NAME = "update_and_attend"

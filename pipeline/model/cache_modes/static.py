@@ -6,16 +6,21 @@ import torch
 from torch import nn
 
 from pipeline.model import recurrent
+from pipeline.model.attention import DEFAULT_TAIL_ROWS, logits_to_keep
 
 FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the custom ops are the custom mode's (cache=custom takes either or both)"
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
 KERNELS: tuple[str, ...] = ()
-LOGITS_MODES = ("full", "last")  # HF logits_to_keep over a StaticCache: no rows input
+LOGITS_MODES = ("full", "last", "tail")  # HF logits_to_keep over a StaticCache: no rows input
 
 
 def takes_rows(flags: dict) -> bool:
     return False
+
+
+def sdpa_with_kv_cache(flags: dict) -> bool:
+    return False  # HF's attention math over HF's cache
 
 
 def attach_static_cache(owner: nn.Module, model: nn.Module, max_context_len: int):
@@ -70,6 +75,7 @@ class StaticCacheLM(nn.Module):
     Sliding-window layers keep a full-length cache too: HF builds their masks from absolute positions,
     so a window is honoured exactly, at the cost of memory (rings are the other modes' job).
     """
+    tail_rows = DEFAULT_TAIL_ROWS  # logits mode `tail`: cache_modes.wrap sets the build's
 
     def __init__(self, model: nn.Module, max_context_len: int, logits_mode: str = "last"):
         super().__init__()
@@ -81,8 +87,9 @@ class StaticCacheLM(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start_step(self.cache, positions)
         with recurrent.step_positions(self, positions):
+            keep = logits_to_keep(self.logits_mode, tokens, None, self.tail_rows)
             out = self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=1 if self.logits_mode == "last" else 0)
+                             use_cache=True, logits_to_keep=keep)
         return out.logits
 
     def reset(self) -> None:

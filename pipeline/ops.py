@@ -1,0 +1,142 @@
+"""The operator libraries a program's host needs, and each in this Python process.
+
+    python -m pipeline.ops PTE            # the operators a .pte calls, and the library that provides each
+    python -m pipeline.ops --registered   # the operators this process has kernels for after load()
+
+    from pipeline import ops
+    ops.load()      # after it, ExecuTorch's Python runtime and TextLLMRunner resolve every operator of ours
+
+A program calls operators by name (`namespace::op.overload`); the runtime finds each in a registry that kernel
+libraries fill when they load. Which library fills which namespace is a fact of the libraries, kept here once:
+ExecuTorch's own (its core runtime's prim ops, the portable/optimized kernels, the quantized kernels), ExecuTorch's
+LLM custom ops (extension/llm/custom_ops: in ExecuTorch's prebuilt Android and iOS runtimes, in the wheel only as a
+Python-side library), and ours (native/'s libllmpipe_ops).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+
+@dataclass(frozen=True)
+class OpLibrary:
+    link: str       # what a C++ host links (ExecuTorch's CMake targets, or ours)
+    stock: bool     # in ExecuTorch's own runtime libraries, as the wheel ships them
+    python: str     # how this process registers it (pipeline.ops.load does)
+
+
+def _load_quantized() -> None:
+    import executorch.kernels.quantized  # noqa: F401  (registers quantized_decomposed::*.out)
+
+
+def _load_llama() -> None:
+    # ExecuTorch's LLM ops: its AOT library registers their kernels in the Python runtime (it needs libtorch, so no
+    # C++ runner of ours can link it: native/'s llmpipe_llama_ops twins them for those)
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+
+
+def _load_ours() -> None:
+    from pipeline.runtimes.native_cache import load_native_kernels
+    load_native_kernels()
+
+
+_CORE = OpLibrary("executorch (the runtime: prim ops)", True, "executorch.runtime")
+_KERNELS = OpLibrary("executorch_kernels_optimized (portable + optimized aten kernels)", True, "executorch.runtime")
+LIBRARIES: dict[str, OpLibrary] = {
+    "executorch_prim": _CORE,
+    "aten": _KERNELS,
+    "dim_order_ops": _KERNELS,
+    "quantized_decomposed": OpLibrary("executorch_kernels_quantized", True, "import executorch.kernels.quantized"),
+    "llama": OpLibrary("ExecuTorch's LLM custom ops (extension/llm/custom_ops; native/'s llmpipe_llama_ops for our "
+                       "runners)", False, "from executorch.extension.llm.custom_ops import custom_ops"),
+    "llmpipe": OpLibrary("llmpipe_ops (native/: libllmpipe_ops.a / .so, CMake package llmpipe_ops)", False,
+                         "pipeline.ops.load()"),
+}
+_LOADERS: dict[str, Callable[[], None]] = {"quantized_decomposed": _load_quantized, "llama": _load_llama,
+                                           "llmpipe": _load_ours}
+# a delegate's backend library, by the backend id a program names
+DELEGATES = {"XnnpackBackend": "executorch_backend_xnnpack", "MLXBackend": "ExecuTorch's MLX delegate (Apple Silicon)"}
+
+_loaded: set[str] = set()
+
+
+def load(namespaces: Iterable[str] = ("quantized_decomposed", "llama", "llmpipe")) -> None:
+    """Register the kernels of these namespaces' libraries in this process (idempotent): by default every library a
+    program of ours can call beyond ExecuTorch's core runtime."""
+    for ns in namespaces:
+        if ns not in _loaded and ns in _LOADERS:
+            _LOADERS[ns]()
+            _loaded.add(ns)
+
+
+def namespace(op: str) -> str:
+    return op.split("::", 1)[0]
+
+
+def library(op: str) -> OpLibrary:
+    """The library that provides an operator (`ns::name[.overload]`); an unknown namespace raises with the known."""
+    ns = namespace(op)
+    if ns not in LIBRARIES:
+        raise KeyError(f"operator {op!r}: no library known for namespace {ns!r} (known: {sorted(LIBRARIES)})")
+    return LIBRARIES[ns]
+
+
+def program_operators(plans) -> tuple[list[str], list[str]]:
+    """(operators `ns::name.overload`, delegate backend ids) of a program's execution plans (an ExecuTorch
+    Program's `execution_plan`), over every method."""
+    ops, delegates = set(), set()
+    for plan in plans:
+        ops |= {f"{o.name}.{o.overload}" if o.overload else o.name for o in plan.operators}
+        delegates |= {d.id for d in plan.delegates}
+    return sorted(ops), sorted(delegates)
+
+
+def read_program(pte: Path):
+    """The execution plans of a .pte file (ExecuTorch's own deserializer: a third of a second for 100 MB)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    p = deserialize_pte_binary(Path(pte).read_bytes())
+    return getattr(p, "program", p).execution_plan
+
+
+def requirements(operators: Iterable[str], delegates: Iterable[str]) -> dict:
+    """What a host needs to run a program: the operators beyond ExecuTorch's stock libraries, each with the library
+    that provides it, and every library to link (delegates' backends included)."""
+    beyond = {op: library(op).link for op in operators if not library(op).stock}
+    links = sorted({library(op).link for op in operators} | {DELEGATES.get(d, d) for d in delegates})
+    return {"beyond_stock": dict(sorted(beyond.items())), "libraries": links, "stock_only": not beyond,
+            "namespaces": sorted({namespace(op) for op in operators})}
+
+
+def registered() -> list[str]:
+    """The operators this process's ExecuTorch runtime has kernels for."""
+    from executorch.extension.pybindings import portable_lib
+    return sorted(portable_lib._get_operator_names())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pipeline.ops", description=__doc__.split("\n\n")[0])
+    ap.add_argument("pte", nargs="?", help="a .pte: its operators and the library that provides each")
+    ap.add_argument("--registered", action="store_true", help="the operators this process resolves after load()")
+    args = ap.parse_args(argv)
+    if args.registered:
+        load()
+        print("\n".join(registered()))
+        return 0
+    if not args.pte:
+        ap.error("give a .pte or --registered")
+    ops_, delegates = program_operators(read_program(Path(args.pte)))
+    for op in ops_:
+        print(f"{op:55s} {library(op).link}")
+    for d in delegates:
+        print(f"{'delegate ' + d:55s} {DELEGATES.get(d, d)}")
+    req = requirements(ops_, delegates)
+    print("runs on ExecuTorch's stock libraries alone" if req["stock_only"] else
+          f"needs beyond ExecuTorch's stock libraries: {', '.join(sorted(set(req['beyond_stock'].values())))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
