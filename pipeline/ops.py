@@ -2,6 +2,7 @@
 
     python -m pipeline.ops PTE            # the operators a .pte calls, and the library that provides each
     python -m pipeline.ops --registered   # the operators this process has kernels for after load()
+    python -m pipeline.ops --isa          # the ISA path our kernels take here, and the paths this CPU has
 
     from pipeline import ops
     ops.load()      # after it, ExecuTorch's Python runtime and TextLLMRunner resolve every operator of ours
@@ -110,6 +111,31 @@ def requirements(operators: Iterable[str], delegates: Iterable[str]) -> dict:
             "namespaces": sorted({namespace(op) for op in operators})}
 
 
+# our kernels' ISA paths by architecture (native/src/kernels/isa.h: LLMPIPE_ISA's values), slowest first
+ISA_PATHS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon", "dotprod")}
+
+
+def isa_paths() -> list[str]:
+    """The paths of our kernels that this build has and this CPU takes."""
+    import platform
+    lib = _kernels_library()
+    return [p for p in ISA_PATHS.get(platform.machine(), ("scalar",)) if lib.llmpipe_isa_supported(p.encode())]
+
+
+def isa() -> str:
+    """The path our kernels take in this process (LLMPIPE_ISA, or the best this CPU has)."""
+    return _kernels_library().llmpipe_isa_describe().decode()
+
+
+def _kernels_library():
+    import ctypes
+
+    from pipeline.runtimes.native_cache import load_native_kernels
+    lib = load_native_kernels()
+    lib.llmpipe_isa_supported.restype, lib.llmpipe_isa_supported.argtypes = ctypes.c_int, [ctypes.c_char_p]
+    return lib
+
+
 def registered() -> list[str]:
     """The operators this process's ExecuTorch runtime has kernels for."""
     from executorch.extension.pybindings import portable_lib
@@ -120,7 +146,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pipeline.ops", description=__doc__.split("\n\n")[0])
     ap.add_argument("pte", nargs="?", help="a .pte: its operators and the library that provides each")
     ap.add_argument("--registered", action="store_true", help="the operators this process resolves after load()")
+    ap.add_argument("--isa", action="store_true", help="our kernels' ISA path here (LLMPIPE_ISA forces one)")
     args = ap.parse_args(argv)
+    if args.isa:
+        print(f"{isa()}; paths here: {', '.join(isa_paths())}")
+        return 0
     if args.registered:
         load()
         print("\n".join(registered()))

@@ -101,11 +101,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     return r
 
 
-def unit_binary_results(binary: Path, cases: list[str], timeout: int) -> dict:
+def unit_binary_results(binary: Path, cases: list[str], timeout: int, env: dict | None = None,
+                        command: list[str] | None = None) -> dict:
     """Runs a native unit binary (native/tests: "ok <case>" or "FAIL <case>: <what>" a line, exit 1 if any case
     failed) and gives each case it ran its line. A case name may hold ": " itself, so a FAIL line goes to the known
-    case it starts with."""
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
+    case it starts with. `env`: variables added to the environment (LLMPIPE_ISA); `command`: the whole command line,
+    when the binary runs under an emulator."""
+    proc = subprocess.run(command or [str(binary)], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
     results = {}
     for line in proc.stdout.splitlines():
         status, _, rest = line.partition(" ")

@@ -10,7 +10,8 @@ stores constants by content.
     out[..., v] = scales[v] * sum_d x[..., d] * qweight[v, d]   (fp32 activations, as an 8-bit weight-only linear)
 
 The twin sums in fp32; the kernel rounds each activation row to int16 first (error at most 2^-16 of the row's largest
-value, `rounding_bound`) so that it sums int16 pair products, several times fewer instructions a weight.
+value, `rounding_bound`) so that it sums int16 pair products, several times fewer instructions a weight. Those sums are
+exact integers on every ISA path of the kernel, so `tied_head_int_ref` (the kernel's own arithmetic) gives its bits.
 """
 from __future__ import annotations
 
@@ -39,10 +40,25 @@ def tied_head_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) 
     return out
 
 
+LEVELS = 32639  # the kernel's int16 range: the largest that splits into two int8 halves (its ARM dotprod path)
+
+
+def tied_head_int_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic, bit for bit: each row of x rounded to int16 (half to even, scale amax / LEVELS), its
+    exact integer dot with each weight row, then fp32(dot) * scale[v] * the row's scale."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(float(LEVELS)) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv).clamp(-LEVELS, LEVELS).to(torch.int64)
+    dots = xq @ qweight.to(torch.int64).T  # exact
+    out = dots.float() * scales.reshape(1, -1).float() * (amax / LEVELS)
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
 def rounding_bound(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The most the kernel's int16 rounding of x moves each output: half a step (amax / 32767) a column, times the
+    """The most the kernel's int16 rounding of x moves each output: half a step (amax / LEVELS) a column, times the
     row's |weights| and scale."""
-    step = x.float().abs().amax(-1, keepdim=True) / 32767
+    step = x.float().abs().amax(-1, keepdim=True) / LEVELS
     return step / 2 * (qweight.float().abs().sum(1) * scales.reshape(-1).float().abs())
 
 

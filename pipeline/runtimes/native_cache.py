@@ -1,4 +1,4 @@
-"""The C++ off-graph cache and kernels (native/'s libllmpipe_kernels.so) in this process, through ctypes:
+"""The C++ off-graph cache and kernels (native/'s libllmpipe_ops.so) in this process, through ctypes:
 the cache the ExecuTorch Python runtime's off-graph programs reach, the same one the C++ runners use."""
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ _NATIVE_LIB = None
 
 
 def load_native_kernels(path=None):
-    """Loads libllmpipe_kernels.so with RTLD_GLOBAL (registers llmpipe::update_and_attend.out and
-    llmpipe::cached_attention.out in the Python runtime's libexecutorch) and returns the ctypes handle.
-    Idempotent."""
+    """Loads libllmpipe_ops.so with RTLD_GLOBAL (registers every llmpipe:: kernel in the Python runtime's
+    libexecutorch) and returns the ctypes handle. Idempotent. A bad LLMPIPE_ISA raises, naming the paths."""
     global _NATIVE_LIB
     if _NATIVE_LIB is not None:
         return _NATIVE_LIB
@@ -42,9 +41,14 @@ def load_native_kernels(path=None):
                             ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
                             ("llmpipe_cache_set_states", c_int, [vp, c_int, p64]),
                             ("llmpipe_back_with_huge_pages", i64, [i64]),
-                            ("llmpipe_last_error", ctypes.c_char_p, [])]:
+                            ("llmpipe_last_error", ctypes.c_char_p, []), ("llmpipe_isa", ctypes.c_char_p, []),
+                            ("llmpipe_isa_problem", ctypes.c_char_p, []),
+                            ("llmpipe_isa_describe", ctypes.c_char_p, [])]:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+    problem = lib.llmpipe_isa_problem().decode()
+    if problem:
+        raise RuntimeError(f"native kernels: {problem}")
     _NATIVE_LIB = lib
     return lib
 

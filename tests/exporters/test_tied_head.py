@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.model.tied_head import TiedHead, rounding_bound, tied_head_ref
+from pipeline.model.tied_head import TiedHead, rounding_bound, tied_head_int_ref, tied_head_ref
 from pipeline.runtimes.native_cache import load_native_kernels
 from tests.helpers import build, stage_path
 
@@ -40,8 +40,10 @@ def test_kernel_matches_its_twin(tmp_path, D):
         got = run.execute([x[:, :T]])[0]
         want = tied_head_ref(x[:, :T], q, s)
         assert got.shape == (1, T, V)
-        # the kernel rounds x to int16: within that rounding's bound of the fp32 twin
+        # the kernel rounds x to int16: within that rounding's bound of the fp32 twin, and its own arithmetic's bits
+        # (exact integer sums: the same on every ISA path, tests/native/test_isa_paths.py runs this on each)
         assert bool(((got - want).abs() <= rounding_bound(x[:, :T], q, s) + 1e-5).all())
+        assert torch.equal(got, tied_head_int_ref(x[:, :T], q, s))
         torch.testing.assert_close(want, (x[:, :T].double() @ dense.T).float(), rtol=1e-5, atol=1e-4)
 
 

@@ -425,6 +425,7 @@ int run(const Options& given) {
   e["cache_kind"] = o.cache_kind;
   e["cache_report"] = engine.describe();
   e["logits_mode"] = logits_mode_name(info.logits_mode);
+  e["isa"] = isa::active_name();
   e["shared_decode_forwards"] = engine.full_logits();
   e["chunk"] = chunk;
   e["max_session_tokens"] = max_session;

@@ -15,6 +15,7 @@
 #include <executorch/runtime/kernel/kernel_includes.h>
 
 #include "kernels/checked_kernel.h"
+#include "kernels/cores.h"
 #include "kernels/recurrent_core.h"
 
 namespace llmrt::recurrent {
@@ -52,26 +53,7 @@ ConvStep conv_rows(const ConvStep& s, int64_t row, int64_t T, int64_t pos) {
   return r;
 }
 
-void run_conv(const ConvStep& s, float* state) {
-  const int64_t T = s.T, C = s.C, K = s.K;
-  if (T > 0 && s.pos == 0) std::fill(state, state + (K - 1) * C, 0.f);  // a new sequence
-  // the step's input rows: the state's K-1, then x's T (a row is C channels)
-  std::vector<float> in((K - 1 + T) * C);
-  std::copy_n(state, (K - 1) * C, in.data());
-  std::copy_n(s.x, T * C, in.data() + (K - 1) * C);
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = s.out + t * C;
-    for (int64_t c = 0; c < C; ++c) row[c] = s.bias ? s.bias[c] : 0.f;
-    for (int64_t j = 0; j < K; ++j) {
-      const float* src = in.data() + (t + j) * C;
-#pragma omp simd
-      for (int64_t c = 0; c < C; ++c) row[c] += s.w[c * K + j] * src[c];
-    }
-    if (s.silu)
-      for (int64_t c = 0; c < C; ++c) row[c] = row[c] / (1.f + std::exp(-row[c]));
-  }
-  std::copy_n(in.data() + T * C, (K - 1) * C, state);
-}
+void run_conv(const ConvStep& s, float* state) { cores().run_conv(s, state); }  // the ISA path's copy
 
 namespace {
 

@@ -1,5 +1,5 @@
-// verify's emulation of XNNPACK's dynamically quantized 4-bit GEMM (pipeline/backends/xnnpack/numerics.py), part of
-// libllmpipe_kernels.so's C API:
+// verify's emulation of XNNPACK's dynamically quantized 4-bit GEMM (pipeline/backends/xnnpack/numerics.py), the C API
+// of libllmpipe_verify.so:
 //   llmpipe_fma_chain: the fp32 running sum over the groups, given every group's integer dot;
 //   llmpipe_qb4w_gemm: the whole GEMM from packed 4-bit weights, on AVX-512 VNNI (0 when it ran; -1 when
 //   this CPU lacks it or the shapes are not its).
@@ -63,16 +63,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void qb4w_columns(const u
 }
 #endif
 
-}  // namespace
-
-extern "C" {
-
-// out[r][c] = fmaf(terms[g][r][c], scales[g][c], out[r][c]) for g = 0, 1, ... in order: the fp32 running sum of
-// XNNPACK's 4-bit group GEMM (fmaf rounds once, as vfmadd does). Row by row, so a row's sums stay in cache across
-// the groups; every element still takes its groups in order, so the vector fmas (FMA builds, CMakeLists.txt) give
-// the scalar ones' bits.
-void llmpipe_fma_chain(const float* terms, const float* scales, float* out, int64_t groups, int64_t rows,
-                       int64_t cols) {
+// out[r][c] = fmaf(terms[g][r][c], scales[g][c], out[r][c]) in group order, elementwise (any vector width gives the
+// scalar fmaf's bits); inlined into a baseline copy and an AVX2 + FMA one, chosen at run time (one build for every
+// x86-64 CPU)
+__attribute__((always_inline)) inline void fma_chain_body(const float* terms, const float* scales, float* out,
+                                                          int64_t groups, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + r * cols;
     for (int64_t g = 0; g < groups; ++g) {
@@ -82,6 +77,31 @@ void llmpipe_fma_chain(const float* terms, const float* scales, float* out, int6
       for (int64_t c = 0; c < cols; ++c) o[c] = std::fmaf(t[c], s[c], o[c]);
     }
   }
+}
+void fma_chain(const float* terms, const float* scales, float* out, int64_t groups, int64_t rows, int64_t cols) {
+  fma_chain_body(terms, scales, out, groups, rows, cols);
+}
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) void fma_chain_avx2(const float* terms, const float* scales, float* out,
+                                                        int64_t groups, int64_t rows, int64_t cols) {
+  fma_chain_body(terms, scales, out, groups, rows, cols);
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// out[r][c] = fmaf(terms[g][r][c], scales[g][c], out[r][c]) for g = 0, 1, ... in order: the fp32 running sum of
+// XNNPACK's 4-bit group GEMM (fmaf rounds once, as vfmadd does). Row by row, so a row's sums stay in cache across
+// the groups; every element still takes its groups in order, so the vector fmas give the scalar ones' bits.
+void llmpipe_fma_chain(const float* terms, const float* scales, float* out, int64_t groups, int64_t rows,
+                       int64_t cols) {
+#if defined(__x86_64__)
+  static const bool fma = __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2");
+  if (fma) return fma_chain_avx2(terms, scales, out, groups, rows, cols);
+#endif
+  fma_chain(terms, scales, out, groups, rows, cols);
 }
 
 // a [rows][k] u8 activations; w4 and scales as qb4w_columns reads them (scales: bf16 bits); out [rows][cols] holds

@@ -4,10 +4,12 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "kernels/isa.h"
 #include "runtime/speculate.h"
 
 namespace llmrt::cli {
@@ -158,6 +160,8 @@ int run_main(int argc, char** argv, Options (*parse_args)(int, char**, bool*), v
     print_help();
     return 0;
   }
+  if (!isa::problem().empty()) return exit_with(UsageError(isa::problem()), 2);  // a bad LLMPIPE_ISA
+  std::fprintf(stderr, "[kernels] isa %s\n", isa::describe().c_str());
   try {
     return run(o);
   } catch (const UsageError& e) {

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/isa.h"
 #include "runtime/sysmem.h"
 
 namespace llmrt::runner {
@@ -49,6 +50,7 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["vocab_size"] = info.vocab_size;
   j["logits_mode"] = logits_mode_name(info.logits_mode);
   j["logits_dtype"] = info.logits_dtype;
+  j["isa"] = isa::active_name();
   j["recipe_hash"] = info.has_recipe_hash ? json(info.recipe_hash) : json(nullptr);
   if (r.grammar_masks > 0)
     j["grammar"] = {{"masks", r.grammar_masks}, {"mask_ms_per_token", r.grammar_mask_ms / r.grammar_masks}};

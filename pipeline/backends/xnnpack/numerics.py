@@ -152,10 +152,10 @@ def fma32_chain(terms: torch.Tensor, scales: torch.Tensor, start: torch.Tensor, 
 
 @functools.cache
 def _kernels_library():
-    """native/build/libllmpipe_kernels.so (built if stale), or None (no native build here)."""
-    from pipeline.native import kernels_library_path
+    """native/build/libllmpipe_verify.so (built if stale), or None (no native build here)."""
+    from pipeline.native import VERIFY_LIB, kernels_library_path
     try:
-        return ctypes.CDLL(str(kernels_library_path()), mode=ctypes.RTLD_GLOBAL)
+        return ctypes.CDLL(str(kernels_library_path(library=VERIFY_LIB)), mode=ctypes.RTLD_GLOBAL)
     except (OSError, RuntimeError):
         return None
 
