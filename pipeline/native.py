@@ -2,17 +2,25 @@
 
     python -m pipeline.native path     # build if missing/stale, print the runner path
     python -m pipeline.native build    # same, always runs the (incremental) build
+    python -m pipeline.native run [--target aarch64] BINARY ARGS...   # a binary of native/build[-aarch64]/
+    python -m pipeline.native path|build --target aarch64            # the ARM64 cross-build (native/build-aarch64/)
 
 API for the verify stage:
     runner_path(build=True) -> Path
     run(pte, tokenizer, *, prompt=None, prompt_ids=None, chat="0", ...) -> dict (stats JSON)
     encode(tokenizer, prompt, chat) -> list[int]
+
+The ARM64 cross-build (native/build.sh --target aarch64), run under user-mode QEMU:
+    aarch64_build(force=False) -> Path (its llm_runner)
+    qemu_command(binary_name, args=()) -> list[str]
+    run(..., target="aarch64") -> dict (the aarch64 llm_runner's stats JSON)
 """
 from __future__ import annotations
 
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,9 +31,24 @@ NATIVE_DIR = Path(__file__).resolve().parent.parent / "native"
 BUILD_DIR = NATIVE_DIR / "build"
 RUNNER = BUILD_DIR / "llm_runner"
 TOKENIZER_CLI = BUILD_DIR / "tokenizer_cli"
-# llmpipe::update_and_attend.out + the off-graph cache C API, for the Python runtime (ctypes)
-KERNELS_LIB = BUILD_DIR / "libllmpipe_kernels.so"
+# our kernels (every llmpipe:: operator) + the off-graph cache C API: what an app links, and what pipeline.ops.load()
+# loads into the Python runtime (ctypes)
+KERNELS_LIB = BUILD_DIR / "libllmpipe_ops.so"
+# verify's emulation of XNNPACK's 4-bit GEMM (pipeline/backends/xnnpack/numerics.py)
+VERIFY_LIB = BUILD_DIR / "libllmpipe_verify.so"
 BATCHED_RUNNER = BUILD_DIR / "llm_batched_runner"
+
+# The ARM64 cross-build: every target of native/CMakeLists.txt, run under qemu-aarch64.
+AARCH64_BUILD_DIR = NATIVE_DIR / "build-aarch64"
+AARCH64_TOOLCHAIN = NATIVE_DIR / "cmake" / "aarch64-linux-gnu.cmake"
+AARCH64_BINARIES = ("llm_runner", "llm_batched_runner", "tokenizer_cli", "libllmpipe_ops.so", "attention_test",
+                    "prefix_cache_test", "sha256_test", "sampler_test", "speculate_test", "attention_bench")
+# Debian's cross glibc + libstdc++ (libc6-arm64-cross): the prefix QEMU maps the guest's /lib onto.
+QEMU_PREFIX = "/usr/aarch64-linux-gnu"
+# The emulated core, unless QEMU_CPU says otherwise: Neoverse N1 (ARMv8.2 + dotprod, Graviton 2; the Cortex-A76 of
+# a Raspberry Pi 5 has its features). Not QEMU's default `max`: its SME makes XNNPACK's 8da4w kernels emit garbage
+# under QEMU 7.2 (Debian 12).
+QEMU_CPU = "neoverse-n1"
 
 
 class NativeError(RuntimeError):
@@ -53,10 +76,10 @@ def _sources() -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def _stale(binary: Path) -> bool:
+def _stale(binary: Path, extra: Sequence[Path] = ()) -> bool:
     if not binary.exists():
         return True
-    newest = max((f.stat().st_mtime for f in _sources()), default=0.0)
+    newest = max((f.stat().st_mtime for f in [*_sources(), *extra]), default=0.0)
     return binary.stat().st_mtime < newest
 
 
@@ -73,10 +96,50 @@ def build_native(force: bool = False) -> Path:
                 tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
                 raise NativeBuildError(f"native build failed (native/build.sh):\n{tail}")
             # ninja does not touch up-to-date outputs: mark them fresh for _stale().
-            for binary in (RUNNER, TOKENIZER_CLI, KERNELS_LIB, BATCHED_RUNNER):
+            for binary in (RUNNER, TOKENIZER_CLI, KERNELS_LIB, VERIFY_LIB, BATCHED_RUNNER):
                 if binary.exists():
                     binary.touch()
     return RUNNER
+
+
+def aarch64_build(force: bool = False) -> Path:
+    """Cross-builds every native target for ARM64 into native/build-aarch64/ (native/build.sh --target aarch64,
+    under a lock) unless they are up to date; returns the aarch64 llm_runner."""
+    AARCH64_BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    binaries = [AARCH64_BUILD_DIR / name for name in AARCH64_BINARIES]
+    with open(AARCH64_BUILD_DIR / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force or any(_stale(b, [AARCH64_TOOLCHAIN]) for b in binaries):
+            env = dict(os.environ, PYTHON=sys.executable)
+            proc = subprocess.run(["bash", str(NATIVE_DIR / "build.sh"), "--target", "aarch64"],
+                                  capture_output=True, text=True, env=env)
+            if proc.returncode != 0 or not all(b.exists() for b in binaries):
+                tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+                raise NativeBuildError(f"aarch64 cross-build failed (native/build.sh --target aarch64):\n{tail}")
+            for binary in binaries:  # ninja leaves up-to-date outputs alone: mark them fresh for _stale()
+                binary.touch()
+    return AARCH64_BUILD_DIR / "llm_runner"
+
+
+def aarch64_binary(name: str, build: bool = True) -> Path:
+    """native/build-aarch64/NAME, cross-building first if it is missing or older than its sources."""
+    binary = AARCH64_BUILD_DIR / name
+    if build and _stale(binary, [AARCH64_TOOLCHAIN]):
+        aarch64_build()
+    if not binary.exists():
+        raise NativeBuildError(f"{binary} does not exist (run: python -m pipeline.native build --target aarch64)")
+    return binary
+
+
+def qemu_command(binary_name: str, args: Iterable[str] = ()) -> list[str]:
+    """The command line running native/build-aarch64/BINARY_NAME with ARGS under qemu-aarch64 (not built here).
+
+    The guest's LD_LIBRARY_PATH=/lib is the prefix's glibc: without it ld.so.cache hands the prefix's loader the
+    multiarch libc6:arm64 (another build of glibc, installed with libpcre2-dev:arm64), and that mix hangs."""
+    if shutil.which("qemu-aarch64") is None:
+        raise NativeError("qemu-aarch64 not found: apt-get install qemu-user (setup.sh does)")
+    return ["qemu-aarch64", "-L", QEMU_PREFIX, "-cpu", os.environ.get("QEMU_CPU") or QEMU_CPU,
+            "-E", "LD_LIBRARY_PATH=/lib", str(AARCH64_BUILD_DIR / binary_name), *map(str, args)]
 
 
 def runner_path(build: bool = True) -> Path:
@@ -88,17 +151,18 @@ def runner_path(build: bool = True) -> Path:
     return RUNNER
 
 
-def kernels_library_path(build: bool = True) -> Path:
-    """native/build/libllmpipe_kernels.so (the off-graph kernel + cache C API), built if needed.
+def kernels_library_path(build: bool = True, library: Path = KERNELS_LIB) -> Path:
+    """native/build/libllmpipe_ops.so (every kernel of ours + the off-graph cache C API), built if needed; `library`:
+    another library of the build (VERIFY_LIB).
 
-    Load it with ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL) before loading an offgraph program's
-    `forward` in the ExecuTorch Python runtime (pipeline.runtimes.native_cache.load_native_kernels does that).
+    pipeline.ops.load() loads it with ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL) before a program that calls our
+    operators loads in the ExecuTorch Python runtime.
     """
-    if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(KERNELS_LIB)):
+    if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(library)):
         build_native()
-    if not KERNELS_LIB.exists():
-        raise NativeBuildError(f"{KERNELS_LIB} does not exist (run: python -m pipeline.native build)")
-    return KERNELS_LIB
+    if not library.exists():
+        raise NativeBuildError(f"{library} does not exist (run: python -m pipeline.native build)")
+    return library
 
 
 def tokenizer_cli_path(build: bool = True) -> Path:
@@ -125,19 +189,27 @@ def _call(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 def run(pte: str | os.PathLike, tokenizer: str | os.PathLike | None, *,
         prompt: str | None = None, prompt_ids: Iterable[int] | None = None, chat: str = "0",
         max_new_tokens: int = 32, temperature: float = 0.0, extra_args: Sequence[str] = (),
-        timeout: float = 900.0) -> dict:
+        timeout: float = 900.0, target: str | None = None) -> dict:
     """Runs one generation and returns the runner's stats JSON.
 
     Keys include prompt_ids, generated_ids (a final stop token included), text,
     stop_reason, load_ms, ttft_ms, prefill_tok_s, decode_tok_s, sampling_ms,
     rss_after_{load,prefill,decode}_mib, peak_rss_mib, recipe_hash.
+    target="aarch64": the cross-built runner under qemu-aarch64 (built first if missing or stale).
     Raises NativeRunError (a RuntimeError) with the runner's stderr on failure.
     """
     if (prompt is None) == (prompt_ids is None):
         raise ValueError("give exactly one of prompt= or prompt_ids=")
+    if target not in (None, "aarch64"):
+        raise ValueError(f"unknown target {target!r} (None: this machine, or 'aarch64')")
+    if target == "aarch64":
+        aarch64_binary("llm_runner")
+        runner = qemu_command("llm_runner")
+    else:
+        runner = [str(runner_path())]
     with tempfile.TemporaryDirectory(prefix="llm_runner_") as tmp:
         stats_path = Path(tmp) / "stats.json"
-        args = [str(runner_path()), "--pte", str(pte), "--chat", str(chat),
+        args = [*runner, "--pte", str(pte), "--chat", str(chat),
                 "--max-new-tokens", str(int(max_new_tokens)), "--temperature", str(float(temperature)),
                 "--stats-json", str(stats_path), "--quiet"]
         if tokenizer is not None:
@@ -213,18 +285,51 @@ def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,
     return [int(x) for x in out.split()] if out else []
 
 
+USAGE = ("usage: python -m pipeline.native [path|build|tokenizer-cli]\n"
+         "       python -m pipeline.native path|build --target aarch64\n"
+         "       python -m pipeline.native run [--target aarch64] BINARY [ARGS...]")
+
+
+def _exec(binary: Path, cmd: list[str]) -> int:
+    """Replaces this process with cmd: stdin/stdout/stderr, signals and the exit status are the binary's own."""
+    if not binary.is_file():
+        names = sorted(p.name for p in binary.parent.iterdir() if p.is_file() and os.access(p, os.X_OK))
+        raise NativeError(f"no binary {binary.name} in {binary.parent} (there: {', '.join(names)})")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvp(cmd[0], cmd)
+    return 127  # not reached
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[0] if argv else "path"
+    rest = argv[1:]
+    target = None
+    if rest[:1] == ["--target"] and len(rest) > 1:  # before BINARY only: what follows it is the binary's
+        target, rest = rest[1], rest[2:]
+    elif rest[:1] and rest[0].startswith("--target="):
+        target, rest = rest[0].split("=", 1)[1], rest[1:]
+    if target not in (None, "aarch64") or (cmd == "run" and not rest) or (cmd == "tokenizer-cli" and target):
+        print(USAGE, file=sys.stderr)
+        return 2
     try:
         if cmd == "path":
-            print(runner_path())
+            print(aarch64_binary("llm_runner") if target else runner_path())
         elif cmd == "build":
-            print(build_native(force=True))
+            print(aarch64_build(force=True) if target else build_native(force=True))
         elif cmd == "tokenizer-cli":
             print(tokenizer_cli_path())
+        elif cmd == "run":
+            name, args = rest[0], rest[1:]
+            if target:
+                aarch64_build()  # if any binary is missing or stale
+                return _exec(AARCH64_BUILD_DIR / name, qemu_command(name, args))
+            binary = BUILD_DIR / name
+            build_native(force=_stale(binary))
+            return _exec(binary, [str(binary), *args])
         else:
-            print("usage: python -m pipeline.native [path|build|tokenizer-cli]", file=sys.stderr)
+            print(USAGE, file=sys.stderr)
             return 2
     except NativeError as e:
         print(f"error: {e}", file=sys.stderr)
