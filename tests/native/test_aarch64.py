@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import native_tiny_export as nte
 import offgraph_tiny_export as ote
@@ -107,6 +108,27 @@ def test_attention_core(case, path, attention_results):
 
 def test_attention_test_runs_every_case_on_every_path(attention_results):
     assert all(sorted(r) == sorted(ATTENTION_CASES) for r in attention_results.values())
+
+
+def test_every_arm_paths_cores_equal_the_twins_and_x86(aarch64, native_bins, tmp_path):
+    """cores_test under QEMU: every ARM64 path's tied head, experts, gated delta and causal conv (the neon and dotprod
+    paths' integer kernels equal the scalar path's bits), each against the Python twins; the exact-integer kernels also
+    equal x86's bits (the tied head, and the experts as x86's scalar path computes them)."""
+    from cores_inputs import check_against_twins, output, write_inputs
+    inputs, arm, x86 = tmp_path / "in", tmp_path / "arm", tmp_path / "x86"
+    for d in (inputs, arm, x86):
+        d.mkdir()
+    t = write_inputs(inputs)
+    proc = qemu("cores_test", str(inputs), str(arm), timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "paths: scalar neon dotprod" in proc.stdout, proc.stdout
+    ref = subprocess.run([str(native.BUILD_DIR / "cores_test"), str(inputs), str(x86)], capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stdout
+    for path in ARM_PATHS:
+        check_against_twins(t, arm, path)
+        for name in ("tied", "experts"):
+            assert torch.equal(output(arm, name, path), output(x86, name, "scalar")), (name, path)
 
 
 def test_prefix_cache_rules(aarch64):

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from pipeline import ops
+from cores_inputs import check_against_twins, write_inputs
+from pipeline import native, ops
 from pipeline.paths import ROOT
 
 KERNEL_TESTS = [
@@ -38,6 +39,20 @@ def test_kernels_equal_their_twins_on_every_path(path):
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_every_paths_cores_equal_the_twins(native_bins, tmp_path):
+    """native/tests/cores_test.cpp runs every path's cores on the same inputs (the tied head's and the experts' outputs
+    equal the scalar path's bit for bit); each path's outputs against the Python twins."""
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir(), out.mkdir()
+    t = write_inputs(inputs)
+    proc = subprocess.run([str(native.BUILD_DIR / "cores_test"), str(inputs), str(out)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert f"paths: {' '.join(ops.isa_paths())}" in proc.stdout, proc.stdout
+    for path in ops.isa_paths():
+        check_against_twins(t, out, path)
 
 
 def test_the_path_taken_is_the_one_asked():

@@ -39,6 +39,12 @@ struct Cores {
 // The active path's cores (kernels/isa.cpp).
 const Cores& cores();
 
+namespace isa {
+enum class Isa : int;
+}
+// A path's cores, or nullptr where this build lacks the path or this CPU cannot take it (tests run every path).
+const Cores* cores_of(isa::Isa path);
+
 #ifdef LLMPIPE_ISA_NS
 // inside one path's copy: its own functions, and its table
 namespace kv::LLMPIPE_ISA_NS {

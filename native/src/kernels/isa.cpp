@@ -169,19 +169,23 @@ bool has_i8mm() { return has("i8mm"); }
 
 }  // namespace isa
 
-const Cores& cores() {
-  static const Cores* c = [] {
-    switch (isa::active()) {
+const Cores* cores_of(isa::Isa path) {
+  if (!isa::supported(path)) return nullptr;
+  switch (path) {
 #if defined(LLMPIPE_PATHS_X86)
-      case isa::Isa::avx512: return &isa_avx512::kCores;
-      case isa::Isa::avx2: return &isa_avx2::kCores;
+    case isa::Isa::avx512: return &isa_avx512::kCores;
+    case isa::Isa::avx2: return &isa_avx2::kCores;
 #elif defined(LLMPIPE_PATHS_ARM)
-      case isa::Isa::dotprod: return &isa_dotprod::kCores;
-      case isa::Isa::neon: return &isa_neon::kCores;
+    case isa::Isa::dotprod: return &isa_dotprod::kCores;
+    case isa::Isa::neon: return &isa_neon::kCores;
 #endif
-      default: return &isa_scalar::kCores;
-    }
-  }();
+    case isa::Isa::scalar: return &isa_scalar::kCores;
+    default: return nullptr;
+  }
+}
+
+const Cores& cores() {
+  static const Cores* c = cores_of(isa::active());
   return *c;
 }
 
