@@ -27,6 +27,7 @@ class OpLibrary:
     link: str       # what a C++ host links (ExecuTorch's CMake targets, or ours)
     stock: bool     # in ExecuTorch's own runtime libraries, as the wheel ships them
     python: str     # how this process registers it (pipeline.ops.load does)
+    ours: bool = False  # native/'s: an app needs our library for it (not ExecuTorch's, stock or not)
 
 
 def _load_quantized() -> None:
@@ -51,10 +52,11 @@ LIBRARIES: dict[str, OpLibrary] = {
     "aten": _KERNELS,
     "dim_order_ops": _KERNELS,
     "quantized_decomposed": OpLibrary("executorch_kernels_quantized", True, "import executorch.kernels.quantized"),
+    # ExecuTorch's own, though not in its core runtime libraries: its prebuilt Android/iOS runtimes carry them
     "llama": OpLibrary("ExecuTorch's LLM custom ops (extension/llm/custom_ops; native/'s llmpipe_llama_ops for our "
                        "runners)", False, "from executorch.extension.llm.custom_ops import custom_ops"),
     "llmpipe": OpLibrary("llmpipe_ops (native/: libllmpipe_ops.a / .so, CMake package llmpipe_ops)", False,
-                         "pipeline.ops.load()"),
+                         "pipeline.ops.load()", ours=True),
 }
 _LOADERS: dict[str, Callable[[], None]] = {"quantized_decomposed": _load_quantized, "llama": _load_llama,
                                            "llmpipe": _load_ours}
@@ -104,11 +106,24 @@ def read_program(pte: Path):
 
 def requirements(operators: Iterable[str], delegates: Iterable[str]) -> dict:
     """What a host needs to run a program: the operators beyond ExecuTorch's stock libraries, each with the library
-    that provides it, and every library to link (delegates' backends included)."""
+    that provides it, every library to link (delegates' backends included), and whether any of them is ours
+    (needs_ours false: ExecuTorch's own operators alone, its LLM custom ops included)."""
+    operators = list(operators)
     beyond = {op: library(op).link for op in operators if not library(op).stock}
     links = sorted({library(op).link for op in operators} | {DELEGATES.get(d, d) for d in delegates})
     return {"beyond_stock": dict(sorted(beyond.items())), "libraries": links, "stock_only": not beyond,
+            "needs_ours": any(library(op).ours for op in operators),
             "namespaces": sorted({namespace(op) for op in operators})}
+
+
+def describe(req: dict) -> str:
+    """One line on what a program needs (the build summary's and `python -m pipeline.ops PTE`'s)."""
+    beyond = req["beyond_stock"]
+    if not beyond:
+        return "ExecuTorch's stock libraries alone"
+    if not req.get("needs_ours", True):
+        return f"ExecuTorch's own operators only (its LLM custom ops: {', '.join(beyond)})"
+    return "beyond ExecuTorch's stock libraries " + ", ".join(f"{op} ({lib.split(' ')[0]})" for op, lib in beyond.items())
 
 
 # our kernels' ISA paths by architecture (native/src/kernels/isa.h: LLMPIPE_ISA's values), slowest first
@@ -164,6 +179,7 @@ def main(argv=None) -> int:
         print(f"{'delegate ' + d:55s} {DELEGATES.get(d, d)}")
     req = requirements(ops_, delegates)
     print("runs on ExecuTorch's stock libraries alone" if req["stock_only"] else
+          f"runs on {describe(req)}" if not req["needs_ours"] else
           f"needs beyond ExecuTorch's stock libraries: {', '.join(sorted(set(req['beyond_stock'].values())))}")
     return 0
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import ops
+
 
 def _size(n) -> str:
     if n is None:
@@ -66,9 +68,7 @@ def print_summary(m: dict) -> None:
             print(f"  outside the delegate, by op: {outside}")
     dep = m.get("deploy")
     if dep:
-        beyond = dep["beyond_stock"]
-        print("  operators: " + ("ExecuTorch's stock libraries alone" if not beyond else "beyond ExecuTorch's stock "
-              "libraries " + ", ".join(f"{op} ({lib.split(' ')[0]})" for op, lib in beyond.items())))
+        print(f"  operators: {ops.describe(dep)}")
         r = dep["runners"]
         print(f"  runs in: {', '.join(r['runners'])}"
               + ("" if r["text_llm_runner"] else f"; not ExecuTorch's TextLLMRunner: {r['text_llm_runner_why']}"))
