@@ -50,6 +50,7 @@ class CacheMode(str, Enum):
     static = "static"
     custom = "custom"
     offgraph = "offgraph"
+    stock = "stock"          # ExecuTorch's own LLM ops (llama::update_cache, llama::custom_sdpa), none of ours
 
 
 class LogitsMode(str, Enum):

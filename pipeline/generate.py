@@ -53,7 +53,7 @@ def open_for_generation(pte: Path, policy):
     folder = pte if pte.is_dir() else pte.parent
     if (folder / LOWERED).exists():
         return open_program(folder, policy=policy)
-    return RunnerProgram(RUNTIMES["executorch"], pte, policy, kernels=("llmpipe",))
+    return RunnerProgram(RUNTIMES["executorch"], pte, policy, kernels=("llmpipe", "llama"))  # whichever it calls
 
 
 class Sampler:

@@ -191,8 +191,8 @@ def cache_problems(cfg) -> Problems:
                  f"{[[f['custom_sdpa'], f['custom_kv_cache']] for f in allowed]} ({CACHE_MODES[mode].FLAGS_WHY})")]
     why = BACKENDS[cfg.backend.name].refuses_cache(mode, got)
     if why:
-        return [("cache.custom_sdpa/custom_kv_cache", [got["custom_sdpa"], got["custom_kv_cache"]],
-                 f"backend={v(cfg.backend.name)} refuses it with cache.mode={mode}: {why}")]
+        return [("cache.mode", mode, f"backend={v(cfg.backend.name)} refuses it (cache.custom_sdpa="
+                 f"{got['custom_sdpa']}, custom_kv_cache={got['custom_kv_cache']}): {why}")]
     kv_dtype = cfg.cache.kv_dtype
     if kv_dtype is not None:
         why = CACHE_MODES[mode].kv_dtype_refused(got) or BACKENDS[cfg.backend.name].refuses_kv_dtype()

@@ -18,7 +18,7 @@ from pipeline.store import code
 MAX_LINES = 500
 # where a backend's, route's, cache mode's or runtime's name may be compared: its own registry folder
 REGISTRY_DIRS = ("pipeline/backends/", "pipeline/exporters/", "pipeline/model/cache_modes/", "pipeline/runtimes/")
-AXIS_NAMES = "mlx|xnnpack|portable|transformers|native|static|custom|offgraph|executorch"
+AXIS_NAMES = "mlx|xnnpack|portable|transformers|native|static|custom|offgraph|stock|executorch"
 COMPARISON = re.compile(rf"""[=!]=\s*["']({AXIS_NAMES})["']""")
 
 
@@ -71,7 +71,7 @@ def test_a_wrong_name_lists_the_choices():
 def test_cache_modes_declare_their_interface(name):
     m = CACHE_MODES[name]
     assert m.FLAGS and all(set(f) == {"custom_sdpa", "custom_kv_cache"} for f in m.FLAGS) and m.FLAGS_WHY
-    assert isinstance(m.RUNTIME_OWNED, bool) and isinstance(m.KERNELS, tuple)
+    assert isinstance(m.RUNTIME_OWNED, bool) and isinstance(m.KERNELS, tuple) and isinstance(m.EXECUTORCH_OPS_ONLY, bool)
     assert all(isinstance(m.rings(f), bool) and isinstance(m.exports_non_strict(f), bool) for f in m.FLAGS)
     assert callable(m.wrap) and callable(m.constant_methods)
 

@@ -38,6 +38,19 @@ CASES = {
                                             ["quantize.target_bpw=5.0", "8da4w g0", "5.88 bits/weight"]),
     "output outside outputs/": (["recipe=tiny_llama_xnnpack", "run.output_dir=/tmp/elsewhere"],
                                 ["run.output_dir", "/tmp/elsewhere", "must be inside"]),
+    # cache.mode=stock builds on ExecuTorch's own ops alone: what they cannot build names cache.mode=custom instead
+    "stock cache, attention sinks": (["model=tiny_llama", "model.random.arch=gpt_oss", "cache=stock"],
+                                     ["cache.mode='stock'", "attention sinks", "cache.mode=custom"]),
+    "stock cache, recurrent layers": (["model=tiny_llama", "model.random.arch=lfm2", "cache=stock"],
+                                      ["cache.mode='stock'", "recurrent layers (conv)", "cache.mode=custom"]),
+    "stock cache, KV-shared layers": (["recipe=tiny_gemma4_custom", "cache=stock"],
+                                      ["cache.mode='stock'", "KV-shared layers", "cache.mode=custom"]),
+    "stock cache, experts": (["model=tiny_llama", "model.random.arch=qwen3_moe", "cache=stock"],
+                             ["cache.mode='stock'", "mixture of experts", "cache.mode=custom"]),
+    "stock cache, mlx": (["recipe=tiny_llama_mlx", "cache=stock"],
+                         ["cache.mode='stock'", "backend=mlx refuses it", "llama::custom_sdpa", "cache.mode=custom"]),
+    "stock cache, half K/V": (["recipe=tiny_llama_custom", "cache=stock", "cache.kv_dtype=fp16"],
+                              ["cache.kv_dtype='fp16'", "the query's dtype"]),
 }
 
 

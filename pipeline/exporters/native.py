@@ -82,11 +82,13 @@ def export(ctx) -> dict:
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
     info["strict"] = strict = strict_export(ctx.cfg)
-    info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model)
+    # a mode whose programs call ExecuTorch's operators alone takes none of ours: no experts op, no tied head
+    ours = not CACHE_MODES[ctx.cfg.cache.mode].EXECUTORCH_OPS_ONLY
+    info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model) if ours else 0
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
-    if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch":  # runs our kernels
+    if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch" and ours:
         from pipeline.model.tied_head import store_tied_once
         info.update(store_tied_once(module.model))
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
@@ -194,11 +196,15 @@ def lower(ctx) -> dict:
     # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts, a recurrent
     # layer's state ops: an in-place op shows in the edge report as auto_functionalized, so ask the program itself)
     called, delegates = ops.program_operators(et.executorch_program.execution_plan)
+    req = ops.requirements(called, delegates)
+    if req["needs_ours"] and CACHE_MODES[cfg.cache.mode].EXECUTORCH_OPS_ONLY:
+        raise LoweringRefused(f"cache.mode={v(cfg.cache.mode)} promises ExecuTorch's operators alone, but the program "
+                              f"calls ours: {sorted(op for op in called if ops.library(op).ours)}")
     ours = {"llmpipe"} if "llmpipe" in {ops.namespace(op) for op in called} else set()
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
                          "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours)}
     report["constant_methods"] = methods
-    report["deploy"] = {"operators": called, "delegates": delegates, **ops.requirements(called, delegates),
+    report["deploy"] = {"operators": called, "delegates": delegates, **req,
                         "runners": runners(cfg)}
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
     return {"pte_bytes": pte.stat().st_size, "deploy": report["deploy"], "delegated_nodes": report["delegated_nodes"],

@@ -31,6 +31,9 @@ class ExecutorchProgram:
         load_kernels()
         if "llmpipe" in kernels:  # our attention ops' .out kernels live in native/'s library
             load_native_kernels()
+        if "llama" in kernels:  # ExecuTorch's LLM ops (cache.mode=stock): its own AOT library registers them
+            from pipeline import ops
+            ops.load(["llama"])
         self.program = Runtime.get().load_program(Path(path))
         self.method_names = set(self.program.method_names)
         self._methods: dict = {}

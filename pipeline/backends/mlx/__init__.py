@@ -36,8 +36,12 @@ def refuses_cache(mode: str, flags: dict) -> str | None:
     """Why this backend cannot build a cache mode with these custom-op flags (None: it can): it builds every
     combination a mode declares (attention.py). With cache.mode=custom, both flags are mlx::kv_cache_update +
     mlx::custom_sdpa; custom_sdpa alone, HF's StaticCache (index_copy_) + mlx::custom_sdpa; custom_kv_cache alone,
-    mlx::kv_cache_update + aten SDPA under an explicit mask."""
+    mlx::kv_cache_update + aten SDPA under an explicit mask. Not a mode built on ExecuTorch's LLM ops (stock)."""
     from pipeline.model.cache_modes import CACHE_MODES
+    if CACHE_MODES[mode].EXECUTORCH_OPS_ONLY:
+        return ("its programs call ExecuTorch's LLM custom ops (llama::update_cache, llama::custom_sdpa), which the MLX "
+                "delegate does not lower and the MLX runtime does not run; MLX has its own cache ops: cache.mode=custom "
+                "or offgraph")
     allowed = CACHE_MODES[mode].FLAGS
     if flags not in allowed:
         return (f"allowed [custom_sdpa, custom_kv_cache]: "

@@ -54,7 +54,8 @@ def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> 
 
 
 def refuses_cache(mode: str, flags: dict) -> str | None:
-    """Why this backend cannot build a cache mode with these custom-op flags (None: it can): it runs them all."""
+    """Why this backend cannot build a cache mode with these custom-op flags (None: it can): it runs them all (a stock
+    program's llama:: ops on ExecuTorch's kernels in Python, on native/'s twins in our runners)."""
     return None
 
 

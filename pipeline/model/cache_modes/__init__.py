@@ -4,7 +4,10 @@ Each module declares:
     FLAGS: tuple[dict]     -- the combinations of cache.custom_sdpa / cache.custom_kv_cache the mode takes, the
                               first its default (FLAGS_WHY: why)
     RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
-    KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s)
+    KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s; "llama": ExecuTorch's
+                              LLM custom ops, pipeline/ops.py)
+    EXECUTORCH_OPS_ONLY: bool -- its programs call ExecuTorch's operators alone: export adds none of ours (the tied
+                              head's llmpipe::tied_head, the experts' llmpipe::experts)
     rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
     exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
     LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
@@ -19,10 +22,10 @@ Each module declares:
 """
 from __future__ import annotations
 
-from pipeline.model.cache_modes import custom, offgraph, static
+from pipeline.model.cache_modes import custom, offgraph, static, stock
 from pipeline.registry import Registry
 
-CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in (static, custom, offgraph)})
+CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in (static, custom, offgraph, stock)})
 
 
 def flags(cache) -> dict:

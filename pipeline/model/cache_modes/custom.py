@@ -38,6 +38,7 @@ FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
 RUNTIME_OWNED = False     # the cache is in the program
 KERNELS = ("llmpipe",)    # llmpipe::cached_attention.out / sdpa.out / update_cache.out: native/'s kernel library
+EXECUTORCH_OPS_ONLY = False  # export may add our ops (the tied head, the experts)
 LOGITS_MODES = ("full", "last", "tail", "selected")  # export.logits_mode values
 
 NAMESPACE = "llmpipe"

@@ -39,6 +39,7 @@ FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the off-graph op owns attention and the cache itself: neither flag"
 RUNTIME_OWNED = True      # the runner sizes the cache per run (verify.runtime, --kv-* flags)
 KERNELS = ("llmpipe",)    # llmpipe::update_and_attend.out: native/'s kernel library
+EXECUTORCH_OPS_ONLY = False  # export may add our ops (the tied head, the experts)
 LOGITS_MODES = ("full", "last", "tail", "selected")  # export.logits_mode values
 
 

@@ -12,6 +12,7 @@ FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)
 FLAGS_WHY = "the custom ops are the custom mode's (cache=custom takes either or both)"
 RUNTIME_OWNED = False     # the cache is in the program: no runner-side cache policy
 KERNELS: tuple[str, ...] = ()
+EXECUTORCH_OPS_ONLY = False  # export may add our ops (the tied head, the experts)
 LOGITS_MODES = ("full", "last", "tail")  # HF logits_to_keep over a StaticCache: no rows input
 
 
