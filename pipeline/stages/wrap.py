@@ -23,8 +23,9 @@ from pipeline.store.files import write_streaming
 
 NAME, VERSION = "wrap", 2
 AFTER = ("download",)
+# backend.name: export.logits_mode=auto resolves by the backend (tail only where it lowers it)
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode",
-               "export.tail_rows")
+               "export.tail_rows", "backend.name")
 # the wrapper must reproduce HF's own forward this closely, relative to the logits' scale (the largest |logit| of
 # the rows compared, at least 10): a half-precision forward rounds every op to its own epsilon (bf16 2^-8), and the
 # two forwards round in different orders, more so over the long check (measured, wrap.json "self_check": SmolLM2 and
