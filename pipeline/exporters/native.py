@@ -179,6 +179,15 @@ def refuse_undelegated_matmuls(report: dict, dtype: str, backend: str) -> None:
                               f"delegate ({outside}) and would run on portable kernels")
 
 
+def register_program_ops(cfg) -> None:
+    """The custom ops an exported program may call, registered for torch.export.load in a process that did not export
+    it (export a cache hit, lower a miss): ours where their modules define them, the backend's (MLX), and ExecuTorch's
+    llama:: ops (cache.mode=stock) by its custom_ops module."""
+    from pipeline.model import experts, tied_head  # noqa: F401  (define llmpipe::experts, llmpipe::tied_head)
+    BACKENDS[cfg.backend.name].setup()
+    ops.load([k for k in CACHE_MODES[cfg.cache.mode].KERNELS if k in ops.LIBRARIES and not ops.LIBRARIES[k].ours])
+
+
 def lower(ctx) -> dict:
     """Writes model.pte and lower.json (the program record, the constant methods, delegation by op)."""
     import torchao  # noqa: F401  (the program refers to torchao's quantized ops)
@@ -186,6 +195,7 @@ def lower(ctx) -> dict:
     program = ctx.inputs["export"] / "program.pt2"
     ep = handoff.take(program)
     if ep is None:
+        register_program_ops(cfg)
         ep = torch.export.load(program)
     methods = constant_methods(ctx)
     with spinner(f"lower to {v(cfg.backend.name)}", ctx.progress):
