@@ -28,6 +28,7 @@ class OpLibrary:
     stock: bool     # in ExecuTorch's own runtime libraries, as the wheel ships them
     python: str     # how this process registers it (pipeline.ops.load does)
     ours: bool = False  # native/'s: an app needs our library for it (not ExecuTorch's, stock or not)
+    twinned: bool = False  # our C++ runners run native/'s twins of it: the same function, other float bits
 
 
 def _load_quantized() -> None:
@@ -54,7 +55,7 @@ LIBRARIES: dict[str, OpLibrary] = {
     "quantized_decomposed": OpLibrary("executorch_kernels_quantized", True, "import executorch.kernels.quantized"),
     # ExecuTorch's own, though not in its core runtime libraries: its prebuilt Android/iOS runtimes carry them
     "llama": OpLibrary("ExecuTorch's LLM custom ops (extension/llm/custom_ops; native/'s llmpipe_llama_ops for our "
-                       "runners)", False, "from executorch.extension.llm.custom_ops import custom_ops"),
+                       "runners)", False, "from executorch.extension.llm.custom_ops import custom_ops", twinned=True),
     "llmpipe": OpLibrary("llmpipe_ops (native/: libllmpipe_ops.a / .so, CMake package llmpipe_ops)", False,
                          "pipeline.ops.load()", ours=True),
 }

@@ -95,7 +95,10 @@ def print_summary(m: dict) -> None:
         print(f"  verify status: {v['status']} (checks skipped)")
     nat = (v or {}).get("native")
     if nat:
-        print(f"  C++ runner: tokens {'identical to' if nat['token_parity'] else 'DIFFER from'} the Python runtime, "
+        tie = nat.get("near_tie_gap")
+        same = "identical to the Python runtime" if nat["token_parity"] else "DIFFER from the Python runtime" \
+            if tie is None else f"as the Python runtime's up to near-ties (twinned kernels: a pick {tie:.3g} below the best)"
+        print(f"  C++ runner: tokens {same}, "
               f"prefill {nat['prefill_tok_s'] or 0:.0f} tok/s, decode {nat['decode_tok_s'] or 0:.1f} tok/s, "
               f"peak RSS {nat['peak_rss_mib'] or 0:.0f} MiB")
     bat = (v or {}).get("batched")
