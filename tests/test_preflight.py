@@ -45,8 +45,6 @@ CASES = {
                                       ["cache.mode='stock'", "recurrent layers (conv)", "cache.mode=custom"]),
     "stock cache, KV-shared layers": (["recipe=tiny_gemma4_custom", "cache=stock"],
                                       ["cache.mode='stock'", "KV-shared layers", "cache.mode=custom"]),
-    "stock cache, experts": (["model=tiny_llama", "model.random.arch=qwen3_moe", "cache=stock"],
-                             ["cache.mode='stock'", "mixture of experts", "cache.mode=custom"]),
     "stock cache, mlx": (["recipe=tiny_llama_mlx", "cache=stock"],
                          ["cache.mode='stock'", "backend=mlx refuses it", "llama::custom_sdpa", "cache.mode=custom"]),
     "stock cache, half K/V": (["recipe=tiny_llama_custom", "cache=stock", "cache.kv_dtype=fp16"],

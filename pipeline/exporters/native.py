@@ -82,9 +82,14 @@ def export(ctx) -> dict:
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
     info["strict"] = strict = strict_export(ctx.cfg)
-    # a mode whose programs call ExecuTorch's operators alone takes none of ours: no experts op, no tied head
+    # a mode whose programs call ExecuTorch's operators alone takes none of ours: no experts op (every expert as
+    # plain linears over every row instead), no tied head
     ours = not CACHE_MODES[ctx.cfg.cache.mode].EXECUTORCH_OPS_ONLY
-    info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model) if ours else 0
+    if ours:
+        info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model)
+    else:
+        from pipeline.model.experts import dense_experts
+        info["dense_expert_layers"] = dense_experts(module.model)
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)

@@ -259,3 +259,34 @@ def pack_experts(model: nn.Module) -> int:
             setattr(block, a.experts.bank, PackedExperts(bank))
             count += 1
     return count
+
+
+# --- the form on ExecuTorch's operators alone (cache.mode=stock): plain linears over every row -----------------
+class DenseExperts(nn.Module):
+    """A layer's experts without our op: every expert runs on every row and its output is weighted by the router's
+    weight for it (0 where the row did not pick it), so no size is known only at run time and the linears lower as
+    any other. A token pays for all E experts: E / top-k times the routed form's arithmetic and weight reads."""
+
+    def __init__(self, bank: ExpertBank):
+        super().__init__()
+        self.bank = bank
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self.bank):  # in the bank's order, as ExpertBank sums them
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True).to(hidden.dtype)
+            out = out + expert(hidden) * weight
+        return out
+
+
+def dense_experts(model: nn.Module) -> int:
+    """Replace every ExpertBank by its DenseExperts (before torch.export); returns how many."""
+    a = archs.of_model(model)
+    count = 0
+    for layer in a.decoder_layers(model) if a.experts is not None else ():
+        block = a.mlp_module(layer)
+        bank = getattr(block, a.experts.bank, None)
+        if isinstance(bank, ExpertBank):
+            setattr(block, a.experts.bank, DenseExperts(bank))
+            count += 1
+    return count

@@ -209,9 +209,32 @@ def test_tiny_builds_verify_exactly_on_executorch_ops_alone(recipe):
     assert methods["get_logits_to_keep_mode"] == 3 and methods["use_sdpa_with_kv_cache"] is True  # tail
 
 
+def test_experts_export_as_plain_linears():
+    """A mixture of experts without llmpipe::experts: every expert on every row, weighted by the router."""
+    from tests.e2e.test_families import build_family
+    m = build_family("qwen3_moe", "xnnpack", "stock", "fp32")
+    _no_ops_of_ours(m)
+    assert m["verify"]["gate"] == "exact" and m["verify"]["native"]["token_parity"] is True
+    export = next(s for s in m["stages"] if s["name"] == "export")
+    assert export["metrics"]["dense_expert_layers"] == 4 and "expert_layers" not in export["metrics"]
+
+
 def test_a_tied_8bit_head_stays_a_linear():
     """The default build stores a tied 8-bit head once through llmpipe::tied_head; this mode keeps the linear."""
     m = build("tiny_llama_custom", "cache=stock", "model.random.tie_word_embeddings=true", "quantize=8da4w_mixed")
     _no_ops_of_ours(m)
     export = next(s for s in m["stages"] if s["name"] == "export")
     assert "tied_head" not in export["metrics"]
+
+
+def test_near_tie_gap_is_how_far_below_the_best_a_pick_sat():
+    """verify's check of a runner on twinned kernels: teacher-forced on that runner's tokens, the Python runtime's
+    logits say how far below its own best each pick sat."""
+    from pipeline.stages.verify import near_tie_gap
+    table = {0: [0.0] * 4, 1: [0.0, 0.5, 1.0, 0.2], 2: [3.0, 0.0, 0.0, 2.7]}  # the logits after each position
+
+    def program(tokens, positions):
+        return torch.tensor([[table[int(p)] for p in positions]])
+
+    assert near_tie_gap(program, [0, 1], [2, 3], chunk=4) == pytest.approx(0.3)
+    assert near_tie_gap(program, [0, 1], [2, 0], chunk=4) == 0.0

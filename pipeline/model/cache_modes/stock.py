@@ -16,11 +16,15 @@ runtimes do; so does TextLLMRunner in Python after `pipeline.ops.load()`):
 - Our C++ runners cannot link ExecuTorch's compiled llama kernels (they need libtorch): native/'s llmpipe_llama_ops
   twins them (native/src/kernels/llama_twins.cpp). The eager reference is ExecuTorch's own kernels
   (torch.ops.llama.*), so verify's same-quantization reference computes what the program computes.
-- What ExecuTorch's ops cannot build is refused (refuses_arch): attention sinks, recurrent layers, KV-shared layers,
-  mixtures of experts (their routed form is our llmpipe::experts). cache.mode=custom builds all of them.
+- What ExecuTorch's ops cannot build is refused (refuses_arch): attention sinks, recurrent layers, KV-shared layers.
+  cache.mode=custom builds all of them. A mixture of experts exports its experts as plain linears over every row
+  (experts.DenseExperts: E / top-k times the routed op's work per token), not as our llmpipe::experts.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Optional
 
 import torch
@@ -81,8 +85,6 @@ def refuses_arch(arch, flags: dict) -> str | None:
     if arch.per_layer is not None:
         return (f"KV-shared layers ({arch.per_layer.kv_shared_key}): a shared layer attends over another layer's "
                 f"cache without writing it, and this mode keeps one cache per layer; {alt}")
-    if arch.experts is not None:
-        return f"mixture of experts: a token runs only its routed experts, through our llmpipe::experts op; {alt}"
     return None
 
 
@@ -97,6 +99,28 @@ def window_mask(positions: torch.Tensor, slots: int, window: int) -> torch.Tenso
 
 def _is_tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+_DEVNULL: list[int] = []
+
+
+@contextlib.contextmanager
+def quiet_fd2():
+    """ExecuTorch's eager custom_sdpa logs "No temp allocator provided" to fd 2 at every call (its AOT wrapper gives
+    the kernel no temp allocator, and the kernel falls back to the heap): a calibration would print thousands."""
+    if _is_tracing():
+        yield
+        return
+    if not _DEVNULL:
+        _DEVNULL.append(os.open(os.devnull, os.O_WRONLY))
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(_DEVNULL[0], 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def start_position(positions: torch.Tensor, T: int, slots: int):
@@ -129,10 +153,11 @@ def _stock_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     ops.update_cache(key.transpose(1, 2).contiguous(), module.k_cache, start)
     ops.update_cache(value.transpose(1, 2).contiguous(), module.v_cache, start)
     q = query.transpose(1, 2).contiguous()
-    if module.kv_window > 0:
-        out = ops.custom_sdpa(q, module.k_cache, module.v_cache, 0, masks[module.kv_window], 0.0, False, scaling)
-    else:
-        out = ops.custom_sdpa(q, module.k_cache, module.v_cache, start, None, 0.0, True, scaling)
+    with quiet_fd2():
+        if module.kv_window > 0:
+            out = ops.custom_sdpa(q, module.k_cache, module.v_cache, 0, masks[module.kv_window], 0.0, False, scaling)
+        else:
+            out = ops.custom_sdpa(q, module.k_cache, module.v_cache, start, None, 0.0, True, scaling)
     return out, None
 
 
