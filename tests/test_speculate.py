@@ -105,7 +105,7 @@ def _compare(m: dict, ids: list[int], new: int) -> dict:
     plain = plain_session.generate(ids, new, Sampler())
     truth = ids + plain["generated_ids"]
     spec_session = Session(open_for_generation(Path(m["pte"]), CachePolicy()),
-                           Speculation(draft_max=plain_session.chunk - 1, adaptive=False,
+                           Speculation(draft_max=plain_session.verify_rows - 1, adaptive=False,
                                        drafter=lambda: Scripted(truth)))
     spec = spec_session.generate(ids, new, Sampler())
     assert spec["generated_ids"] == plain["generated_ids"]
@@ -120,12 +120,14 @@ def _compare(m: dict, ids: list[int], new: int) -> dict:
 @pytest.mark.parametrize("recipe, n, new", [
     ("tiny_llama_xnnpack", 10, 30),      # HF static cache (full logits)
     ("tiny_llama_offgraph", 10, 30),     # runtime-owned flat cache
-    ("tiny_gemma3_custom", 26, 30),      # in-graph rings (window 16, 23 slots): 56 positions wrap them twice
+    ("tiny_gemma3_custom", 26, 30),      # in-graph rings (window 16, 23 slots): 56 positions wrap them twice, in
+                                         # whole-chunk verify steps (logits `tail` of the chunk's 8 rows)
     ("tiny_gemma3_offgraph", 26, 30),    # runtime-owned rings
     ("tiny_gemma3_mlx_offgraph", 26, 30),  # the MLX runtime (our interpreter)
 ])
 def test_greedy_speculation_equals_plain_decoding(recipe, n, new):
-    mode = ["export.logits_mode=full"] if recipe == "tiny_llama_xnnpack" else []  # static: last or full
+    mode = {"tiny_llama_xnnpack": ["export.logits_mode=full"],  # static: last or full
+            "tiny_gemma3_custom": ["export.tail_rows=8"]}.get(recipe, [])
     m = build(recipe, "verify.enabled=false", *mode)
     _compare(m, _prompt(m, n), new)
 

@@ -31,9 +31,11 @@ class RowsHead(nn.Module):
 
 
 def head_on_rows(model: nn.Module) -> bool:
-    """Before exporting a `tail` program: run the model's lm_head on 2-d rows. Returns whether it was done."""
+    """Before exporting a `tail` program: run the model's lm_head, a linear, on 2-d rows (an op of ours, the tied
+    head, takes any leading dims, and a reshape after it would be a delegate call of its own). Returns whether it
+    was done."""
     head = model.get_output_embeddings()
-    if head is None or isinstance(head, RowsHead):
+    if not isinstance(head, nn.Linear):
         return False
     model.set_output_embeddings(RowsHead(head))
     return True

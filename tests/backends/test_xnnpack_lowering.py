@@ -98,6 +98,9 @@ def test_a_decoder_layer_is_one_delegate_call(tiny_custom):
     assert outside.pop("auto_functionalized_v2") == layers
     assert outside.pop("llmpipe_tied_head_default") == 1
     # what stays outside is computed once per forward, before the first layer (positions, embedding, RoPE angles),
-    # one view of the positions per layer, and the rows kept (logits mode `tail`, the default here: their indices and views)
+    # one view of the positions per layer, and the rows kept: logits mode `tail`, the default here, computes their
+    # indices from T in scalar ops (sym_size, sym_min, sub, scalar_tensor, arange, add) and gathers them (index)
     assert outside.pop("aten_view_copy_default") <= layers + 2
+    for op in ("sym_size", "sym_min", "sub", "scalar_tensor", "aten_arange_start_step", "aten_index_tensor"):
+        assert outside.pop(op) == 1, op
     assert sum(outside.values()) <= 7, outside
