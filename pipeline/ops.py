@@ -131,6 +131,15 @@ def describe(req: dict) -> str:
 ISA_PATHS = {"x86_64": ("scalar", "avx2", "avx512"), "aarch64": ("scalar", "neon", "dotprod")}
 
 
+def isa_problem() -> str | None:
+    """Why LLMPIPE_ISA names no path of this machine's architecture (None: unset or one of them); whether this CPU
+    takes it, the kernels say when they load."""
+    import os
+    import platform
+    want, paths = os.environ.get("LLMPIPE_ISA", ""), ISA_PATHS.get(platform.machine(), ("scalar",))
+    return None if not want or want in paths else f"not a path of {platform.machine()}: {', '.join(paths)}"
+
+
 def isa_paths() -> list[str]:
     """The paths of our kernels that this build has and this CPU takes."""
     import platform
@@ -164,6 +173,14 @@ def main(argv=None) -> int:
     ap.add_argument("--registered", action="store_true", help="the operators this process resolves after load()")
     ap.add_argument("--isa", action="store_true", help="our kernels' ISA path here (LLMPIPE_ISA forces one)")
     args = ap.parse_args(argv)
+    try:
+        return _main(args, ap)
+    except RuntimeError as e:  # a bad LLMPIPE_ISA, a library that will not load: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(args, ap) -> int:
     if args.isa:
         print(f"{isa()}; paths here: {', '.join(isa_paths())}")
         return 0

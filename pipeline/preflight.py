@@ -8,6 +8,7 @@ pipeline/model/cache_modes); this module asks them. The memory estimate it check
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Optional
 
@@ -19,6 +20,7 @@ from pipeline.config import PipelineConfig, v
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.exporters import EXPORTERS
 from pipeline.memory_estimate import embedding_parameters, memory_estimate, parameter_count
+from pipeline.ops import isa_problem
 from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
@@ -54,6 +56,8 @@ def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optio
         problems.append(("run.output_dir", cfg.run.output_dir, f"must be inside {OUTPUTS_ROOT}"))
     if cfg.run.store_url and url_problem(cfg.run.store_url):
         problems.append(("run.store_url", redacted(cfg.run.store_url), url_problem(cfg.run.store_url)))
+    if isa_problem():  # verify runs our kernels on the path it names
+        problems.append(("LLMPIPE_ISA (environment)", os.environ["LLMPIPE_ISA"], isa_problem()))
     if geometry is not None:
         problems += arch_problems(cfg, geometry) + geometry_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)

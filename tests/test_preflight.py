@@ -70,3 +70,10 @@ def test_hub_source_offline_is_clear(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "Traceback" not in out, out
     assert "model.repo_id" in out and "offline" in out and "HuggingFaceTB/SmolLM2-135M-Instruct" in out
+
+
+def test_a_kernel_path_that_does_not_exist_is_refused_before_any_stage():
+    r = run_cli("recipe=tiny_llama_custom", timeout=120, env={"LLMPIPE_ISA": "sse9"})
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Traceback" not in out and "stage=" not in out, out
+    assert "LLMPIPE_ISA (environment)='sse9'" in out and "avx2" in out, out
