@@ -1,5 +1,6 @@
-"""Prefill and decode speed of the three KV-cache modes (static, custom, offgraph) for both real models,
-through our C++ runner, in one invocation with alternating runs (a benchmark, not a test).
+"""Prefill and decode speed of the KV-cache modes (static, custom, offgraph, stock) for both real models,
+through our C++ runner, in one invocation with alternating runs (a benchmark, not a test). `stock` runs ExecuTorch's
+own llama:: ops, on native/'s twins of them in the C++ runner.
 
     python bench/cache_modes.py                      # both models, 3 rounds
     python bench/cache_modes.py --models smollm2 --rounds 5 --prompt-tokens 400 --new-tokens 128
@@ -27,11 +28,13 @@ MODES = {
         "static": ["recipe=smollm2_xnnpack_8da4w"],
         "custom": ["recipe=smollm2_custom"],
         "offgraph": ["recipe=smollm2_offgraph", "quantize=8da4w"],
+        "stock": ["recipe=smollm2_custom", "cache=stock"],
     },
     "gemma3": {
         "static": ["recipe=gemma3_xnnpack"],
         "custom": ["recipe=gemma3_custom"],
         "offgraph": ["recipe=gemma3_offgraph"],
+        "stock": ["recipe=gemma3_custom", "cache=stock"],
     },
 }
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type made books "

@@ -66,6 +66,9 @@ TINY = {
                                                                   "verify.enabled=false"),
     "mixture of experts, 8da4w": lambda: build_family("qwen3_moe", "xnnpack", "custom", "default", VOCAB,
                                                       "verify.enabled=false"),
+    # ExecuTorch's own LLM ops alone: its kernels in TextLLMRunner, native/'s twins of them in llm_runner
+    "stock": lambda: build("tiny_llama_custom", VOCAB, "cache=stock", "verify.enabled=false"),
+    "stock with window masks": lambda: build("tiny_gemma3_custom", VOCAB, "cache=stock", "verify.enabled=false"),
 }
 
 
