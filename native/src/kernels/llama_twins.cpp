@@ -9,6 +9,8 @@
 //       No mask: keys [0, start_pos+T); is_causal: row i sees keys [0, start_pos+i]. attn_mask: Float [T,S], added
 //       after scaling, every one of the S keys read, start_pos ignored, is_causal must be false. GQA: query head h
 //       reads KV head h / (Hq/Hkv). Scale default 1/sqrt(D). fp32 math; q, caches and out of one float dtype.
+//       The causal case runs on our attention core (kv_attention.h: [1,S,Hkv,D] is its flat slot-major layout), the
+//       others on the plain loop below.
 //
 // Registered in their own library (llmpipe_llama_ops), linked into our runners only: the Python runtime loads
 // ExecuTorch's real ones, and two kernels under one name collide.
@@ -20,10 +22,12 @@
 #include <vector>
 
 #include <executorch/runtime/core/exec_aten/util/dim_order_util.h>
+#include <executorch/runtime/core/portable_type/tensor_impl.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 #include <executorch/runtime/kernel/thread_parallel_interface.h>
 
 #include "kernels/checked_kernel.h"
+#include "kernels/kv_attention.h"
 
 namespace llmrt::llama {
 namespace {
@@ -139,6 +143,40 @@ void sdpa_kernel(const Sdpa& a, const E* q, const E* k, const E* v, E* out) {
   });
 }
 
+// is_causal without a mask: per batch, the attention core's step at start_pos over the flat cache (keys [0, start_pos+i]
+// for row i), which takes q and gives out head-major [1,Hq,T,D]: both go through that layout in a scratch buffer.
+void causal_on_core(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t start_pos, float scale,
+                    Tensor& out) {
+  using executorch::aten::DimOrderType;
+  using executorch::aten::SizesType;
+  using executorch::aten::StridesType;
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), S = k_cache.size(1);
+  const int64_t Hkv = k_cache.size(2);
+  const size_t row = static_cast<size_t>(D) * q.element_size();
+  std::vector<uint8_t> qh(static_cast<size_t>(T * Hq) * row), oh(qh.size());
+  SizesType sizes[4] = {1, static_cast<SizesType>(Hq), static_cast<SizesType>(T), static_cast<SizesType>(D)};
+  DimOrderType order[4] = {0, 1, 2, 3};
+  StridesType strides[4] = {static_cast<StridesType>(Hq * T * D), static_cast<StridesType>(T * D),
+                            static_cast<StridesType>(D), 1};
+  executorch::runtime::etensor::TensorImpl impl(q.scalar_type(), 4, sizes, qh.data(), order, strides);
+  const Tensor qt(&impl);
+  const int code = static_cast<int>(q.scalar_type());
+  const auto* qd = static_cast<const uint8_t*>(q.const_data_ptr());
+  auto* od = static_cast<uint8_t*>(out.mutable_data_ptr());
+  const size_t batch = static_cast<size_t>(T * Hq) * row, cache = static_cast<size_t>(S * Hkv) * row;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hq; ++h) std::memcpy(&qh[(h * T + t) * row], qd + b * batch + (t * Hq + h) * row, row);
+    // the core only reads the caches here
+    const kv::SlotView view{const_cast<uint8_t*>(static_cast<const uint8_t*>(k_cache.const_data_ptr())) + b * cache,
+                            const_cast<uint8_t*>(static_cast<const uint8_t*>(v_cache.const_data_ptr())) + b * cache,
+                            Hkv, D, D, code, 0};
+    kv::attend(view, kv::plan_step(0, start_pos, T, 0, 0), qt, scale, oh.data(), code);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < Hq; ++h) std::memcpy(od + b * batch + (t * Hq + h) * row, &oh[(h * T + t) * row], row);
+  }
+}
+
 Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                         int64_t start_pos, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                         std::optional<double> scale, Tensor& out) {
@@ -170,6 +208,10 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   }
   if (executorch::runtime::resize_tensor(out, q.sizes()) != Error::Ok) return fail("cannot resize out to q's shape");
   const float sc = scale.has_value() ? static_cast<float>(*scale) : 1.f / std::sqrt(static_cast<float>(D));
+  if (is_causal && !mask) {
+    causal_on_core(q, k_cache, v_cache, start_pos, sc, out);
+    return out;
+  }
   const Sdpa a{B, T, Hq, Hkv, D, S, start_pos, mask ? S : start_pos + T, is_causal && !mask, sc, mask};
   switch (q.scalar_type()) {
     case ScalarType::Float:
