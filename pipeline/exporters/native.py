@@ -93,9 +93,13 @@ def export(ctx) -> dict:
     if ctx.cfg.export.fuse_projections and fp32:
         from pipeline.model.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
-    if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch" and ours:
+    if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch":
         from pipeline.model.tied_head import store_tied_once
-        info.update(store_tied_once(module.model))
+        if ours:
+            info.update(store_tied_once(module.model))
+        elif module.model.config.get_text_config().tie_word_embeddings:  # the summary says why it is stored twice
+            info.update(tied_head=False, tied_head_why=f"cache.mode={v(ctx.cfg.cache.mode)}: ExecuTorch's operators "
+                        "alone, no llmpipe::tied_head")
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     logits_mode = resolve_logits_mode(ctx.cfg)
     if logits_mode == "tail":
