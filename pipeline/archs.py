@@ -20,9 +20,9 @@ from pipeline.model.archs import ARCHS, Arch
 from pipeline.model.cache_modes import CACHE_MODES
 from pipeline.paths import ROOT
 
-# the (backend, cache mode) columns: XNNPACK in all three modes, MLX through the interpreter in its two
-COLUMNS = (("xnnpack", "static"), ("xnnpack", "custom"), ("xnnpack", "offgraph"), ("mlx", "custom"),
-           ("mlx", "offgraph"))
+# the (backend, cache mode) columns: XNNPACK in all four modes, MLX through the interpreter in its two
+COLUMNS = (("xnnpack", "static"), ("xnnpack", "custom"), ("xnnpack", "offgraph"), ("xnnpack", "stock"),
+           ("mlx", "custom"), ("mlx", "offgraph"))
 MARKERS = ("<!-- archs-table:start -->", "<!-- archs-table:end -->")
 
 
@@ -90,7 +90,7 @@ def table(markdown: bool) -> str:
     notes.append("Schemes: " + "; ".join(f"{b}: {', '.join(schemes(b))}" for b in dict(COLUMNS)) +
                  " (the experts take every one; the router and a shared expert's gate stay in float). fp32 under the "
                  "exact gate, the backend's default quantization under its gate, C++ runner tokens equal to the Python "
-                 "runtime's on XNNPACK.")
+                 "runtime's on XNNPACK (stock: up to near-ties, the runner on twins of ExecuTorch's llama:: kernels).")
     notes.append("Not in the registry yet: Falcon-H1 (`falcon_h1`: Mamba-2 heads beside attention in every layer) "
                  "needs a Mamba-2 state kind (per head a head dim x state size matrix, plus its conv), the SSD scan "
                  "as a kernel with its Python twin, and a mixer that sums the two paths; preflight refuses it by "
