@@ -57,6 +57,18 @@ def test_the_default_build_answers_in_text_llm_runner_as_in_llm_runner(smollm2_d
     assert dep["namespaces"] == ["aten", "executorch_prim", "llmpipe", "quantized_decomposed"]
 
 
+@pytest.mark.slow
+def test_the_stock_build_needs_nothing_of_ours_and_answers_in_text_llm_runner(tmp_path):
+    """recipe=smollm2_stock: ExecuTorch's kernels in TextLLMRunner, our twins of them in llm_runner (other float bits:
+    an 8da4w program's tokens may part at a near-tie, which verify bounds), the same answer."""
+    m = build("smollm2_stock")
+    dep = m["deploy"]
+    assert dep["needs_ours"] is False and not [op for op in dep["operators"] if op.startswith("llmpipe::")]
+    assert set(dep["beyond_stock"]) == {"llama::custom_sdpa.out", "llama::update_cache.out"}
+    et, ours = text_llm_runner(m, PROMPT, 16, tmp_path), llm_runner(m, PROMPT, 16)
+    assert et["prompt_ids"] == ours["prompt_ids"] and "Paris" in et["text"] and "Paris" in ours["text"]
+
+
 TINY = {
     "static (HF's cache in the program)": lambda: build("tiny_llama_xnnpack", VOCAB, "verify.enabled=false"),
     "custom": lambda: build("tiny_llama_custom", VOCAB, "verify.enabled=false"),
