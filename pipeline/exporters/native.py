@@ -98,8 +98,10 @@ def export(ctx) -> dict:
         if ours:
             info.update(store_tied_once(module.model))
         elif module.model.config.get_text_config().tie_word_embeddings:  # the summary says why it is stored twice
-            info.update(tied_head=False, tied_head_why=f"cache.mode={v(ctx.cfg.cache.mode)}: ExecuTorch's operators "
-                        "alone, no llmpipe::tied_head")
+            from pipeline.model.tied_head import shared_table
+            table, why = shared_table(module.model)
+            info.update(tied_head=False, tied_head_why=why if table is None else f"cache.mode={v(ctx.cfg.cache.mode)}: "
+                        "ExecuTorch's operators alone, no llmpipe::tied_head")
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     logits_mode = resolve_logits_mode(ctx.cfg)
     if logits_mode == "tail":
