@@ -107,8 +107,8 @@ def unit_binary_results(binary: Path, cases: list[str], timeout: int, env: dict 
     failed) and gives each case it ran its line. A case name may hold ": " itself, so a FAIL line goes to the known
     case it starts with. `env`: variables added to the environment (LLMPIPE_ISA); `command`: the whole command line,
     when the binary runs under an emulator."""
-    proc = subprocess.run(command or [str(binary)], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(command or [str(binary)], capture_output=True, text=True, errors="replace", timeout=timeout,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
     results = {}
     for line in proc.stdout.splitlines():
         status, _, rest = line.partition(" ")

@@ -38,6 +38,7 @@ import torch
 import native_tiny_export as nte
 import offgraph_tiny_export as ote
 from pipeline import native, ops
+from tests.helpers import unit_binary_results
 from test_attention_core import CASES as ATTENTION_CASES
 from test_batched_runner import CASES as PREFIX_CASES
 
@@ -61,18 +62,10 @@ def qemu(name: str, *args, timeout: float = 300, env: dict | None = None) -> sub
 
 
 def unit_results(name: str, cases: list[str], timeout: float, env: dict | None = None) -> dict:
-    """A native unit binary's "ok <case>" / "FAIL <case>: <what>" lines, as tests.helpers.unit_binary_results reads
-    them, from its run under QEMU."""
-    proc = qemu(name, timeout=timeout, env=env)
-    results = {}
-    for line in proc.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        if status == "ok":
-            results[rest] = line
-        elif status == "FAIL":
-            results[next((c for c in cases if rest.startswith(c + ": ")), rest.split(": ")[0])] = line
-    assert proc.returncode == (0 if all(v.startswith("ok") for v in results.values()) else 1), proc.stderr[-3000:]
-    return results
+    """A native unit binary's "ok <case>" / "FAIL <case>: <what>" lines (tests.helpers.unit_binary_results), from its
+    run under QEMU."""
+    return unit_binary_results(native.AARCH64_BUILD_DIR / name, cases, timeout=timeout, env=env,
+                               command=native.qemu_command(name, ()))
 
 
 # -- the build ------------------------------------------------------------------------------------------------------
