@@ -42,7 +42,8 @@ BATCHED_RUNNER = BUILD_DIR / "llm_batched_runner"
 AARCH64_BUILD_DIR = NATIVE_DIR / "build-aarch64"
 AARCH64_TOOLCHAIN = NATIVE_DIR / "cmake" / "aarch64-linux-gnu.cmake"
 AARCH64_BINARIES = ("llm_runner", "llm_batched_runner", "tokenizer_cli", "libllmpipe_ops.so", "attention_test",
-                    "prefix_cache_test", "sha256_test", "sampler_test", "speculate_test", "attention_bench", "cores_test")
+                    "prefix_cache_test", "sha256_test", "sampler_test", "speculate_test", "attention_bench", "cores_test",
+                    "llama_twins_test")
 # Debian's cross glibc + libstdc++ (libc6-arm64-cross): the prefix QEMU maps the guest's /lib onto.
 QEMU_PREFIX = "/usr/aarch64-linux-gnu"
 # The emulated core, unless QEMU_CPU says otherwise: Neoverse N1 (ARMv8.2 + dotprod, Graviton 2; the Cortex-A76 of

@@ -136,7 +136,8 @@ def executorch_kernels(case: dict) -> torch.Tensor:
                                        case["is_causal"], case["scale"])
 
 
-def run_twins(cases: list[dict], folder, threads: int) -> dict:
+def run_twins(cases: list[dict], folder, threads: int, command: list[str] | None = None) -> dict:
+    """The twins' outputs on the cases (`command`: llama_twins_test's command line, when it runs under QEMU)."""
     folder.mkdir(exist_ok=True)
     spec = []
     for c in cases:
@@ -148,8 +149,8 @@ def run_twins(cases: list[dict], folder, threads: int) -> dict:
             entry[f"{key}_shape"] = list(x.shape)
         spec.append(entry)
     (folder / "cases.json").write_text(json.dumps(spec))
-    proc = subprocess.run([str(native.BUILD_DIR / "llama_twins_test"), str(folder), str(threads)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*(command or [str(native.BUILD_DIR / "llama_twins_test")]), str(folder), str(threads)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = {}
     for c in cases:

@@ -124,6 +124,23 @@ def test_every_arm_paths_cores_equal_the_twins_and_x86(aarch64, native_bins, tmp
             assert torch.equal(output(arm, name, path), output(x86, name, "scalar")), (name, path)
 
 
+def test_the_llama_twins_equal_executorchs_kernels_on_arm(aarch64):
+    """cache=stock's twins of ExecuTorch's llama::update_cache / custom_sdpa (the runners' on ARM64 too) against
+    ExecuTorch's own kernels (x86, eager), on tests/model/test_stock.py's cases."""
+    import tempfile
+
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+
+    from tests.model.test_stock import executorch_kernels, run_twins, twin_cases
+    cases = twin_cases()
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_twins(cases, Path(tmp) / "arm", 2, command=native.qemu_command("llama_twins_test", ()))
+    for case in cases:
+        want = executorch_kernels(case)
+        tol = 0 if case["op"] == "update_cache" else 2e-3 if want.dtype == torch.float16 else 2e-6
+        assert (got[case["name"]].float() - want.float()).abs().max().item() <= tol, case["name"]
+
+
 def test_prefix_cache_rules(aarch64):
     results = unit_results("prefix_cache_test", PREFIX_CASES, timeout=120)
     assert sorted(results) == sorted(PREFIX_CASES)
