@@ -248,17 +248,23 @@ class PackedExperts(nn.Module):
                                          self.activation, self.limit, self.alpha)
 
 
-def pack_experts(model: nn.Module) -> int:
-    """Replace every ExpertBank by its PackedExperts (before torch.export); returns how many."""
+def replace_banks(model: nn.Module, form) -> int:
+    """Replace every ExpertBank by form(bank), the form a backend's programs run (before torch.export); returns how
+    many."""
     a = archs.of_model(model)
     count = 0
     for layer in a.decoder_layers(model) if a.experts is not None else ():
         block = a.mlp_module(layer)
         bank = getattr(block, a.experts.bank, None)
         if isinstance(bank, ExpertBank):
-            setattr(block, a.experts.bank, PackedExperts(bank))
+            setattr(block, a.experts.bank, form(bank))
             count += 1
     return count
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Every ExpertBank as PackedExperts (llmpipe::experts); returns how many."""
+    return replace_banks(model, PackedExperts)
 
 
 # --- the form on ExecuTorch's operators alone (cache.mode=stock): plain linears over every row -----------------
@@ -280,13 +286,5 @@ class DenseExperts(nn.Module):
 
 
 def dense_experts(model: nn.Module) -> int:
-    """Replace every ExpertBank by its DenseExperts (before torch.export); returns how many."""
-    a = archs.of_model(model)
-    count = 0
-    for layer in a.decoder_layers(model) if a.experts is not None else ():
-        block = a.mlp_module(layer)
-        bank = getattr(block, a.experts.bank, None)
-        if isinstance(bank, ExpertBank):
-            setattr(block, a.experts.bank, DenseExperts(bank))
-            count += 1
-    return count
+    """Every ExpertBank as DenseExperts (ExecuTorch's operators alone); returns how many."""
+    return replace_banks(model, DenseExperts)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.model import archs
-from pipeline.model.experts import ExpertBank, pack4
+from pipeline.model.experts import ExpertBank, pack4, replace_banks
 
 
 class GatherProjection(nn.Module):
@@ -56,13 +56,5 @@ class GatherExperts(nn.Module):
 
 
 def gather_experts(model: nn.Module) -> int:
-    """Replace every ExpertBank by its GatherExperts (before torch.export); returns how many."""
-    a = archs.of_model(model)
-    count = 0
-    for layer in a.decoder_layers(model) if a.experts is not None else ():
-        block = a.mlp_module(layer)
-        bank = getattr(block, a.experts.bank, None)
-        if isinstance(bank, ExpertBank):
-            setattr(block, a.experts.bank, GatherExperts(bank))
-            count += 1
-    return count
+    """Every ExpertBank as GatherExperts (before torch.export); returns how many."""
+    return replace_banks(model, GatherExperts)
