@@ -47,7 +47,7 @@ def grammar_text(json_schema: Optional[Path] = None, grammar: Optional[Path] = N
         # compact JSON unless the schema's own x-guidance says otherwise: whitespace a model may pad without end is
         # tokens spent and a budget that can run out before the closing brace
         try:
-            grm = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            grm = llg.LLMatcher.grammar_from_json_schema(closed(schema), defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise ConstraintError(f"--json-schema {path}: {e}") from e
     else:
@@ -64,6 +64,48 @@ def grammar_text(json_schema: Optional[Path] = None, grammar: Optional[Path] = N
     if error:
         raise ConstraintError(f"{'--json-schema' if json_schema else '--grammar'} {path}: {error}")
     return grm
+
+
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas (the rest hold data: enum, const,
+# default, examples)
+SUBSCHEMA = {"items", "additionalItems", "contains", "not", "if", "then", "else", "additionalProperties",
+             "unevaluatedProperties", "unevaluatedItems", "propertyNames"}
+SUBSCHEMAS = {"prefixItems", "anyOf", "oneOf", "allOf"}
+NAMED_SUBSCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+# beside these an object's properties come from elsewhere too: closing it would refuse them
+COMPOSED = {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf", "$ref",
+            "if", "dependentSchemas"}
+
+
+SAFE_INTEGER = 2**53 - 1  # RFC 7493 (I-JSON): the integers every JSON parser reads exactly
+
+
+def closed(schema, open_here: bool = False):
+    """The schema with each object that names its properties closed to others (`additionalProperties: false`) unless
+    it says otherwise, as OpenAI's structured outputs and xgrammar read a schema: JSON Schema leaves them open, and a
+    model then adds keys until its token limit. An object that names none ({"type": "object"}) stays open, and so
+    does one composed with others (allOf and the like): its properties come from more than one place. An integer
+    without bounds gets I-JSON's (RFC 7493), so that its digits end."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in SUBSCHEMA:
+            out[k] = closed(v)
+        elif k in SUBSCHEMAS and isinstance(v, list):
+            out[k] = [closed(s, open_here=k == "allOf") for s in v]
+        elif k in NAMED_SUBSCHEMAS and isinstance(v, dict):
+            out[k] = {name: closed(s) for name, s in v.items()}
+        else:
+            out[k] = v
+    if "properties" in out and not open_here and not COMPOSED & out.keys():
+        out["additionalProperties"] = False
+    if out.get("type") == "integer":  # digits without end otherwise (a small model repeats one); I-JSON's range
+        out.setdefault("minimum", -SAFE_INTEGER)
+        out.setdefault("maximum", SAFE_INTEGER)
+    return out
 
 
 def tokenizer_for(hf_tokenizer, vocab_size: int):
@@ -114,6 +156,11 @@ class Constraint:
     @property
     def done(self) -> bool:
         return self.matcher.is_stopped()
+
+    @property
+    def complete(self) -> bool:
+        """The output so far is a whole sentence of the grammar: it may end here (a token limit there loses nothing)."""
+        return self.matcher.is_stopped() or self.matcher.is_accepting()
 
     def stats(self) -> dict:
         return {"masks": self.masks, "mask_ms_per_token": round(self.mask_s * 1e3 / max(self.masks, 1), 3)}

@@ -5,7 +5,8 @@ core's its PyO3 module), so the runner starts this process and asks it, a line a
     M            -> the allowed-token bitmask: vocab / 32 little-endian uint32 words, raw, on stdout
     C <token>    -> "ok" (the token taken) or "error <why>"
     V <t1,t2,..> -> how many of the draft's first tokens the grammar accepts, as a line (nothing taken)
-    S            -> "1" when the grammar has ended (the output is complete), else "0"
+    S            -> "1" when the grammar has ended (its end-of-text token was taken), else "0"
+    A            -> "1" when the output so far is complete (the grammar may end here), else "0"
     R            -> a fresh grammar state (a new turn): "ok"
 
 It first prints "ready <vocab>", or "error <why>" and exits 2 (a bad schema or grammar, before any token).
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
             out.write(f"{len(c.valid_prefix(draft))}\n".encode())
         elif cmd == "S":
             out.write(b"1\n" if c.done else b"0\n")
+        elif cmd == "A":
+            out.write(b"1\n" if c.complete else b"0\n")
         elif cmd == "R":
             c = Constraint(grammar, tok, args.vocab)
             out.write(b"ok\n")

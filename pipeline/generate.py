@@ -1,6 +1,7 @@
 """python -m pipeline.generate: token-by-token generation from a built program, in Python (the reference's run_llm_hf).
 
-    python -m pipeline.generate --prompt "What is the capital of France?"      # the latest successful build
+    python -m pipeline.generate --prompt "What is the capital of France?"      # the default build's latest
+    python -m pipeline.generate --recipe smollm2_stock --prompt "..."             # a recipe's latest build
     python -m pipeline.generate --run outputs/runs/<time> --interactive         # a chat; /reset, /quit
     python -m pipeline.generate --pte <lower entry>/model.pte --model-dir <dir> --prompt "..." --temperature 0.7 --seed 1
 
@@ -22,27 +23,40 @@ import torch
 from pipeline import abi, paths
 
 
-def latest_run(root: Path = paths.OUTPUTS_ROOT) -> Path:
-    """The newest run manifest of a successful build whose program is still there (gc may have taken older ones)."""
+# overrides that leave a recipe's program as it is: where it is built, how it is checked, which recipe
+SAME_PROGRAM = ("recipe=", "run.", "verify.", "hydra.")
+
+
+def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT) -> Path:
+    """The newest run manifest of a successful build of `recipe` as composed (no override that changes its program:
+    a sweep's points or a test's build are not it) whose program is still there (gc may have taken older ones)."""
     for m in sorted((root / "runs").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             run = json.loads(m.read_text())
         except (OSError, ValueError):
             continue
-        if run.get("status") == "ok" and run.get("pte") and run.get("model_dir") and Path(run["pte"]).exists():
+        changed = [o for o in run.get("overrides") or [] if not o.lstrip("+~").startswith(SAME_PROGRAM)]
+        if (run.get("status") == "ok" and run.get("recipe") == recipe and not changed and run.get("pte")
+                and run.get("model_dir") and Path(run["pte"]).exists()):
             return m
-    raise SystemExit(f"error: no successful build under {root / 'runs'}: run `python -m pipeline` first, "
-                     "or give --run / --pte")
+    build = "python -m pipeline" + ("" if recipe == "default" else f" recipe={recipe}")
+    raise SystemExit(f"error: no successful build of recipe {recipe} under {root / 'runs'}: run `{build}` first, "
+                     "or give --run / --pte (another build) or --recipe NAME (another recipe's latest)")
 
 
 def resolve(args) -> tuple[Path, Optional[Path], Optional[Path]]:
-    """(the program's file, model dir, tokenizer.json) from --run, --pte or the latest build."""
+    """(the program's file, model dir, tokenizer.json) from --run, --pte or a recipe's latest build (the default's
+    unless --recipe), which is named on stderr."""
     if args.pte:
         return Path(args.pte), args.model_dir and Path(args.model_dir), args.tokenizer and Path(args.tokenizer)
-    path = Path(args.run) if args.run else latest_run()
-    run = json.loads((path / "manifest.json" if path.is_dir() else path).read_text())
+    path = Path(args.run) if args.run else latest_run(args.recipe or "default")
+    manifest = path / "manifest.json" if path.is_dir() else path
+    run = json.loads(manifest.read_text())
     if run.get("status") != "ok" or not run.get("pte"):
         raise SystemExit(f"error: --run {path}: not a successful build (status {run.get('status')!r})")
+    extra = " ".join(o for o in run.get("overrides") or [] if not o.startswith("recipe="))
+    print(f"[build] {manifest.parent} (recipe {run.get('recipe')}{', ' + extra if extra else ''}; built "
+          f"{run.get('started')})", file=sys.stderr)
     return Path(run["pte"]), Path(run["model_dir"]), None
 
 
@@ -178,6 +192,10 @@ class Session:
             out.append(token)
             on_token(token)
         t2 = time.perf_counter()
+        # a token or context limit before the grammar's end: the output may not parse, and the report says so
+        complete = constraint is None or stop not in ("max_new_tokens", "context") or constraint.complete
+        if not complete and stop == "max_new_tokens":
+            stop = "length"
         decoded = len(out) - 1
         stats = {"prompt_ids": ids, "generated_ids": out, "stop_reason": stop, "prompt_tokens_fed": fed,
                  "ttft_ms": round((t1 - t0) * 1e3, 2), "prefill_tok_s": round(fed / max(t1 - t0, 1e-9), 1),
@@ -185,7 +203,7 @@ class Session:
         if spec is not None:
             stats["speculation"] = spec
         if constraint is not None:
-            stats["constraint"] = constraint.stats()
+            stats["constraint"] = {**constraint.stats(), "complete": complete}
         self.last = stats
         return stats
 
@@ -282,6 +300,10 @@ def report(stats: dict, err=sys.stderr) -> None:
     if stats.get("constraint"):
         print(f"[grammar] {stats['constraint']['masks']} masks, {stats['constraint']['mask_ms_per_token']} ms per "
               "token", file=err)
+        if not stats["constraint"]["complete"]:
+            limit = "token limit (--max-new-tokens)" if stats["stop_reason"] == "length" else "context's end"
+            print(f"[grammar] warning: the output is incomplete: the {limit} came before the grammar's end, so it may "
+                  "not parse (raise --max-new-tokens, or give the schema fewer or shorter fields)", file=err)
     spec = stats.get("speculation")
     if spec:
         vs = (f"; {spec['speedup']}x the plain run's {spec['plain_decode_tok_s']} tok/s"
@@ -358,7 +380,9 @@ def interactive(session: Session, text: Text, args, sample) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipeline.generate", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--run", help="a run manifest (or its directory); default: the latest successful build")
+    src.add_argument("--run", help="a run manifest (or its directory); default: the default composition's latest "
+                                   "successful build (`python -m pipeline`)")
+    src.add_argument("--recipe", help="the latest successful build of this recipe, as composed (no overrides)")
     src.add_argument("--pte", help="a .pte (a lower entry's, or any: then --model-dir or --tokenizer)")
     ap.add_argument("--model-dir", help="the model folder: tokenizer and chat template (with --pte)")
     ap.add_argument("--tokenizer", help="a tokenizer.json (with --pte; no chat template: raw prompts)")

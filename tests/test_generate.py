@@ -6,6 +6,7 @@ tests/e2e/test_smollm2.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
-from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.generate import Sampler, Session, latest_run, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.helpers import ROOT, build, stage_path
 
@@ -114,6 +115,11 @@ def test_the_command_streams_reports_and_chats():
     (stats,) = _stats(r.stderr)
     assert stats["text"] == r.stdout.rstrip("\n") and "TTFT" in r.stderr and "decode" in r.stderr
     assert 1 <= len(stats["generated_ids"]) <= 8
+    assert f"[build] {run} (recipe tiny_llama_custom, verify.enabled=false;" in r.stderr
+    # the recipe's latest build as composed (verify.* does not change the program): this one's program
+    latest = _cli("--recipe", "tiny_llama_custom", "--prompt", "hello there", "--max-new-tokens", "8")
+    assert latest.returncode == 0 and "[build] " in latest.stderr and f"[program] {m['pte']} " in latest.stderr, \
+        latest.stderr[-2000:]
     # the same program given as a bare --pte with its tokenizer
     bare = _cli("--pte", m["pte"], "--tokenizer", m["tokenizer"], "--prompt", "hello there", "--max-new-tokens", "8")
     assert bare.returncode == 0, bare.stderr[-2000:]
@@ -131,6 +137,30 @@ def test_the_command_streams_reports_and_chats():
     assert len(turns) == 3
     assert turns[1]["prompt_tokens_fed"] < len(turns[1]["prompt_ids"]), "the second turn reuses the first's cache"
     assert turns[2]["prompt_tokens_fed"] == len(turns[2]["prompt_ids"]), "/reset starts over"
+
+
+def test_without_run_the_default_compositions_latest_build_runs(tmp_path):
+    """Not the newest build of anything: a sweep's point, a test's tiny model or a failed build is skipped."""
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(b"a program")
+
+    def run(name: str, mtime: int, **fields) -> Path:
+        f = tmp_path / "runs" / name / "manifest.json"
+        f.parent.mkdir(parents=True)
+        f.write_text(json.dumps({"status": "ok", "pte": str(pte), "model_dir": str(tmp_path), **fields}))
+        os.utime(f, (mtime, mtime))
+        return f
+
+    plain = run("a", 100, recipe="default", overrides=["verify.enabled=false", "run.progress=false"])
+    run("b", 200, recipe="default", overrides=["quantize=8w"])  # a sweep's point
+    run("c", 300, recipe="tiny_llama_custom", overrides=["recipe=tiny_llama_custom"])
+    run("d", 400, recipe="default", overrides=[], status="failed")
+    stock = run("e", 50, recipe="smollm2_stock", overrides=["recipe=smollm2_stock", "run.output_dir=x"])
+    assert latest_run(root=tmp_path) == plain
+    assert latest_run("smollm2_stock", tmp_path) == stock
+    with pytest.raises(SystemExit, match="no successful build of recipe gemma3_custom .*`python -m pipeline "
+                                         "recipe=gemma3_custom`"):
+        latest_run("gemma3_custom", tmp_path)
 
 
 def test_bad_input_is_a_clear_error(tmp_path):

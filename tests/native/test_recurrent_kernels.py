@@ -136,11 +136,14 @@ def test_kernel_equals_twin_across_steps(program, pieces):
         pos += n
 
 
-def test_kernel_refuses_positions_that_skip(program):
+def test_kernel_refuses_positions_that_skip(program, capfd):
     method, x = program
-    args = [t[:, :3].contiguous() for t in x[:5]] + [torch.tensor([4, 5, 7])]
-    with pytest.raises(RuntimeError):
-        method.execute(args)
+    args = [t[:, :3].contiguous() for t in x[:5]]
+    method.execute(args + [torch.tensor([0, 1, 2])])  # the same inputs at consecutive positions run
+    capfd.readouterr()
+    with pytest.raises(RuntimeError, match="0x12"):  # Error::InvalidArgument, its reason in the kernel's log
+        method.execute(args + [torch.tensor([4, 5, 7])])
+    assert "llmpipe::gated_delta_rule: positions must be consecutive" in capfd.readouterr().err
 
 
 C, K = 24, 4
@@ -191,8 +194,9 @@ def test_causal_conv_kernel_equals_its_twin_across_steps(tmp_path):
     method = Runtime.get().load_program(str(tmp_path / "conv.pte")).load_method("forward")
     state = torch.zeros(K - 1, C)
     pos = 0
-    for step in [5, 1, 1, 20, 3, 30]:  # 60 positions, then a new sequence
+    for step in [5, 1, 1, 20, 3, 30, 4, 9]:  # 60 positions, then a new sequence: the state is forgotten at 0
         if pos == 60:
+            assert state.abs().sum() > 0
             pos = 0
         xs, positions = x[:, pos:pos + step].contiguous(), torch.arange(pos, pos + step)
         got = method.execute([xs, positions])[0]

@@ -86,9 +86,18 @@ def _sweep(cluster: Cluster, url: str, run: str, background: bool = False):
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1200)
 
 
-def _report(r) -> list[dict]:
+def _report_path(r) -> Path:
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("report: "))
-    return json.loads(Path(line.split(": ", 1)[1]).with_suffix(".json").read_text())
+    return Path(line.split(": ", 1)[1])
+
+
+def _report(r) -> list[dict]:
+    return json.loads(_report_path(r).with_suffix(".json").read_text())
+
+
+def _entries(store: Path) -> set[tuple[str, str]]:
+    return {(d.parent.name, d.name) for d in store.glob("*/*")
+            if d.is_dir() and not d.name.startswith(".") and not d.parent.name.startswith(".")}
 
 
 def test_a_sweep_on_two_workers_publishes_each_entry_once_and_reruns_as_hits(cluster, bucket):
@@ -101,12 +110,25 @@ def test_a_sweep_on_two_workers_publishes_each_entry_once_and_reruns_as_hits(clu
     assert {row["host"] for row in rows} == {"host-1", "host-2"}  # both workers took jobs
     commits = [k for k in _keys(bucket) if k.endswith("/entry.json")]
     assert sum(row["built"] for row in rows) == len(commits)  # every entry built once, on one host
-    assert all(row["wait_s"] is not None for row in rows)
-    # the two local stores share no file: each holds what its host built or fetched
-    stores = [ROOT / "outputs" / "tests" / f"cluster-{run}" / h / "cache" for h in ("host-1", "host-2")]
-    assert all(s.is_dir() for s in stores)
-    again = _report(_sweep(cluster, url, run))
-    assert all(row["status"] == "ok" and row["built"] == 0 for row in again)
+    # every job shares the download with the others: the host that did not build it fetched it
+    assert sum(row["fetched"] for row in rows) >= 1
+    assert all(isinstance(row["wait_s"], float) and row["wait_s"] >= 0 for row in rows)
+    # each local store holds exactly the entries its host's jobs used (built there or fetched), and no file of the
+    # other's: they share only the bucket
+    jobs = [json.loads(p.read_text()) for p in _report_path(r).parent.glob("*/manifest.json")]
+    assert len(jobs) == 6
+    stores = {h: ROOT / "outputs" / "tests" / f"cluster-{run}" / h / "cache" for h in ("host-1", "host-2")}
+    for host, store in stores.items():
+        used = {(s["name"], s["key"]) for m in jobs if m["host"] == host for s in m["stages"]}
+        assert _entries(store) == used, host
+        for s in (s for m in jobs if m["host"] == host for s in m["stages"]):
+            assert Path(s["path"]).resolve().is_relative_to(store.resolve()), (host, s["path"])
+    files = [{f.resolve() for f in store.rglob("*") if f.is_file()} for store in stores.values()]
+    assert files[0] and files[1] and not files[0] & files[1]
+    rerun = _sweep(cluster, url, run)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    again = _report(rerun)
+    assert len(again) == 6 and all(row["status"] == "ok" and row["built"] == 0 for row in again)
 
 
 @pytest.mark.slow
@@ -125,8 +147,10 @@ def test_a_worker_killed_mid_job_fails_that_job_and_a_rerun_completes_it(cluster
     assert len(failed) == 1 and "died mid-job" in failed[0]["error"]  # the job it ran; the other five finished
     cluster.add_worker("host-3")
     cluster.wait_ready(2)
-    again = _report(_sweep(cluster, url, run))
-    assert all(row["status"] == "ok" for row in again)
+    rerun = _sweep(cluster, url, run)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    again = _report(rerun)
+    assert len(again) == 6 and all(row["status"] == "ok" for row in again)
     # only the failed job's own entries (the ones no finished job shares) are built again
     assert sum(row["built"] for row in again) <= 7 and sum(row["built"] for row in again) < sum(
         row["built"] for row in rows if row["built"])

@@ -121,6 +121,10 @@ def test_two_hosts_build_each_entry_once_then_a_third_fetches_them(bucket):
     published = [s for m in (ma, mb) for s in m["stages"] if s.get("remote") == "published"]
     assert len(published) == 7  # each entry built and committed once between the two
     lost = [s for m in (ma, mb) for s in m["stages"] if s.get("remote") == "lost the race"]
+    assert not lost, lost  # the lease held: no entry was built on both hosts with one upload thrown away
+    assert len(ma["stages"]) == len(mb["stages"]) == 7
+    for sa, sb in zip(ma["stages"], mb["stages"]):  # built on one host, fetched by the other
+        assert sorted([sa["cache"], sb["cache"]]) == ["miss", "remote"], (sa, sb)
     # every upload left is the one its commit names (a lost race's blobs are deleted)
     for c in commits:
         upload = _read_json(bucket, c)["upload"]

@@ -89,10 +89,10 @@ def _kill_during(sig: int, wait_for: str, tmp_out: str) -> None:
     while time.time() < deadline and not any(cache.glob(".tmp-*")):
         time.sleep(0.2)
     assert any(cache.glob(".tmp-*")), "the stage never started"
-    time.sleep(1.0)
-    p.send_signal(sig)
+    p.send_signal(sig)  # at once: the temp dir is there from the stage's start to its commit
     out, _ = p.communicate(timeout=120)
     assert p.returncode != 0, out
+    assert f"stage={wait_for} " not in out, "the signal landed after the stage had finished"
     if sig == signal.SIGINT:
         assert "interrupted" in out and "Traceback" not in out, out
 

@@ -101,6 +101,11 @@ bool GrammarSidecar::done() {
   return line() == "1";
 }
 
+bool GrammarSidecar::complete() {
+  send("A");
+  return line() == "1";
+}
+
 void GrammarSidecar::reset() {
   send("R");
   line();

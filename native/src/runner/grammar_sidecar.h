@@ -28,6 +28,7 @@ class GrammarSidecar final : public speculate::Grammar {
   void consume(int64_t token) override;
   int64_t valid_prefix(const std::vector<int64_t>& draft) override;
   bool done();
+  bool complete();  // the output so far may end here (a whole sentence of the grammar)
   void reset();  // a new turn
 
   double mask_ms = 0;

@@ -53,7 +53,8 @@ json stats_json(const Options& o, const ProgramInfo& info, const LoadInfo& li, c
   j["isa"] = isa::active_name();
   j["recipe_hash"] = info.has_recipe_hash ? json(info.recipe_hash) : json(nullptr);
   if (r.grammar_masks > 0)
-    j["grammar"] = {{"masks", r.grammar_masks}, {"mask_ms_per_token", r.grammar_mask_ms / r.grammar_masks}};
+    j["grammar"] = {{"masks", r.grammar_masks}, {"mask_ms_per_token", r.grammar_mask_ms / r.grammar_masks},
+                    {"complete", r.grammar_complete}};
   if (r.speculated) {
     json s;
     s["drafted"] = r.spec.drafted;
@@ -91,6 +92,10 @@ void report(const Options& o, const ProgramInfo& info, const LoadInfo& li, const
   if (j.contains("grammar"))
     std::fprintf(stderr, "[grammar] %lld masks from the sidecar, %.3f ms per token\n",
                  static_cast<long long>(r.grammar_masks), j["grammar"]["mask_ms_per_token"].get<double>());
+  if (!r.grammar_complete)
+    std::fprintf(stderr, "[grammar] warning: the output is incomplete: the %s came before the grammar's end, so it "
+                 "may not parse (raise --max-new-tokens, or give the schema fewer or shorter fields)\n",
+                 r.stop_reason == "length" ? "token limit (--max-new-tokens)" : "context's end");
   if (j.contains("speculation")) {
     const json& s = j["speculation"];
     std::fprintf(stderr, "[speculate] drafted %lld, accepted %lld in %lld verify steps",

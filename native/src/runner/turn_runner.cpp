@@ -114,7 +114,14 @@ TurnResult Runner::run(std::vector<int64_t> ids, int64_t pending) {
   }
   r.decode_ms = ms_since(td);
   r.rss_decode = rss_mib();
-  if (grammar_) r.grammar_masks = grammar_->masks - masks0, r.grammar_mask_ms = grammar_->mask_ms - mask_ms0;
+  if (grammar_) {
+    r.grammar_masks = grammar_->masks - masks0, r.grammar_mask_ms = grammar_->mask_ms - mask_ms0;
+    // a token or context limit before the grammar's end: the output may not parse, and the report says so
+    if ((r.stop_reason == "max_new_tokens" || r.stop_reason == "context_full") && !grammar_->complete()) {
+      r.grammar_complete = false;
+      if (r.stop_reason == "max_new_tokens") r.stop_reason = "length";
+    }
+  }
   return r;
 }
 

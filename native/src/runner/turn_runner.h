@@ -30,6 +30,7 @@ struct TurnResult {
   double plain_decode_tok_s = -1;   // --compare-plain: the same turn without speculation
   int identical = -1;               // its tokens equal this turn's (greedy): 1/0, -1 when sampling
   int64_t grammar_masks = 0;        // --json-schema / --grammar: masks asked of the sidecar, and their time
+  bool grammar_complete = true;     // false: a limit came before the grammar's end (stop_reason "length")
   double grammar_mask_ms = 0;
 };
 
