@@ -96,6 +96,7 @@ def recipe_name() -> str | None:
 
 
 def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
+    composition = build_hash(cfg)  # the program's config as composed, before preflight fills in its choices
     fitted: list[str] = []
     geometry = preflight.check(cfg, notes=fitted)  # every config problem, before any work
     for note in fitted:
@@ -109,7 +110,8 @@ def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
     recipe = recipe or recipe_name() or "default"
     tools, bhash, commit = tool_versions(), build_hash(cfg), git_commit()
     manifest = {
-        "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "started": now_iso(),
+        "schema_version": SCHEMA_VERSION, "recipe": recipe, "build_hash": bhash, "composition": composition,
+        "started": now_iso(),
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "tools": tools,
         "git_commit": commit, "argv": sys.argv[1:], "overrides": hydra_overrides(), "pid": os.getpid(), "stages": [],
         "trust_remote_code": bool(cfg.model.trust_remote_code),  # off unless the recipe turns it on

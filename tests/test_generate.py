@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
-from pipeline.generate import Sampler, Session, latest_run, open_for_generation
+from pipeline.generate import Sampler, Session, composition, latest_run, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.helpers import ROOT, build, stage_path
 
@@ -115,7 +115,7 @@ def test_the_command_streams_reports_and_chats():
     (stats,) = _stats(r.stderr)
     assert stats["text"] == r.stdout.rstrip("\n") and "TTFT" in r.stderr and "decode" in r.stderr
     assert 1 <= len(stats["generated_ids"]) <= 8
-    assert f"[build] {run} (recipe tiny_llama_custom, verify.enabled=false;" in r.stderr
+    assert f"[build] {run} (recipe tiny_llama_custom; build {m['build_hash']}" in r.stderr
     # the recipe's latest build as composed (verify.* does not change the program): this one's program
     latest = _cli("--recipe", "tiny_llama_custom", "--prompt", "hello there", "--max-new-tokens", "8")
     assert latest.returncode == 0 and "[build] " in latest.stderr and f"[program] {m['pte']} " in latest.stderr, \
@@ -140,7 +140,8 @@ def test_the_command_streams_reports_and_chats():
 
 
 def test_without_run_the_default_compositions_latest_build_runs(tmp_path):
-    """Not the newest build of anything: a sweep's point, a test's tiny model or a failed build is skipped."""
+    """The newest build whose program is the composition's, not the newest build of anything: a sweep's point, a
+    test's tiny model or a failed build is skipped."""
     pte = tmp_path / "model.pte"
     pte.write_bytes(b"a program")
 
@@ -151,16 +152,19 @@ def test_without_run_the_default_compositions_latest_build_runs(tmp_path):
         os.utime(f, (mtime, mtime))
         return f
 
-    plain = run("a", 100, recipe="default", overrides=["verify.enabled=false", "run.progress=false"])
-    run("b", 200, recipe="default", overrides=["quantize=8w"])  # a sweep's point
-    run("c", 300, recipe="tiny_llama_custom", overrides=["recipe=tiny_llama_custom"])
-    run("d", 400, recipe="default", overrides=[], status="failed")
-    stock = run("e", 50, recipe="smollm2_stock", overrides=["recipe=smollm2_stock", "run.output_dir=x"])
+    default = composition()
+    assert default != composition("smollm2_stock")
+    plain = run("a", 100, recipe="default", composition=default)
+    run("b", 200, recipe="default", composition="another")  # a sweep's point, or a test's overrides
+    run("c", 300, recipe="default", composition=default, status="failed")
+    run("d", 400, recipe="default")  # a manifest from before compositions were recorded
+    run("e", 500, recipe="default", composition=default, pte=str(tmp_path / "gone.pte"))  # gc took its program
     assert latest_run(root=tmp_path) == plain
-    assert latest_run("smollm2_stock", tmp_path) == stock
     with pytest.raises(SystemExit, match="no successful build of recipe gemma3_custom .*`python -m pipeline "
                                          "recipe=gemma3_custom`"):
         latest_run("gemma3_custom", tmp_path)
+    r = _cli("--recipe", "no_such_recipe", "--prompt", "x")
+    assert r.returncode == 1 and "--recipe no_such_recipe" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_input_is_a_clear_error(tmp_path):
