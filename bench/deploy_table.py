@@ -75,7 +75,7 @@ def main() -> None:
         m = build([] if recipe == DEFAULT else [f"recipe={recipe}"])
         dep = m.get("deploy")
         row = {"recipe": recipe, "beyond_stock": sorted(dep["beyond_stock"]) if dep else None,
-               "runners": dep["runners"] if dep else None}
+               "delegates": dep["delegates"] if dep else None, "runners": dep["runners"] if dep else None}
         if dep is None or "programs" in m:
             row["note"] = "the transformers route's prefill + decode programs (our Python runner)"
             rows.append(row)
@@ -98,6 +98,8 @@ def main() -> None:
             print(f"| `{r['recipe']}` | - | not built here ({r['skipped']}) | - |")
             continue
         beyond = ", ".join(f"`{op}`" for op in r["beyond_stock"] or []) or "none"
+        # a delegate this CPU build of ExecuTorch does not carry (MLX: Apple Silicon's)
+        beyond += "".join(f"; delegate `{d}`" for d in r.get("delegates") or [] if d != "XnnpackBackend")
         et = r.get("text_llm_runner")
         et_cell = ("no: " + r["runners"]["text_llm_runner_why"] if r["runners"] and not r["runners"]["text_llm_runner"]
                    else r.get("note", "-") if et is None
