@@ -100,7 +100,8 @@ def closed(schema, open_here: bool = False):
             out[k] = {name: closed(s) for name, s in v.items()}
         else:
             out[k] = v
-    if "properties" in out and not open_here and not COMPOSED & out.keys():
+    names_all = set(out.get("required") or []) <= set(out.get("properties") or {})  # else it relies on others
+    if "properties" in out and not open_here and not COMPOSED & out.keys() and names_all:
         out["additionalProperties"] = False
     if out.get("type") == "integer":  # digits without end otherwise (a small model repeats one); I-JSON's range
         out.setdefault("minimum", -SAFE_INTEGER)

@@ -131,6 +131,8 @@ def test_a_schema_is_closed_to_properties_it_does_not_name_unless_it_allows_them
     assert c["additionalProperties"] is False and c["properties"]["where"]["additionalProperties"] is False
     assert closed({**ORDINARY, "additionalProperties": True})["additionalProperties"] is True
     assert closed({"type": "object"}) == {"type": "object"}  # names none: any object
+    # requires a property it does not name: closing it would leave no valid output
+    assert "additionalProperties" not in closed({"properties": {"a": {}}, "required": ["a", "b"]})
     both = closed({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]})  # each names half of them
     assert all("additionalProperties" not in s for s in both["allOf"])
     assert closed({"enum": [{"properties": 1}]}) == {"enum": [{"properties": 1}]}  # data, not a schema
