@@ -38,10 +38,10 @@ def composition(recipe: str = "default") -> str:
         raise SystemExit(f"error: --recipe {recipe}: {str(e).splitlines()[0]}") from None
 
 
-def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT, want: Optional[str] = None) -> Path:
+def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT) -> Path:
     """The newest run manifest of a successful build of `recipe` as composed, whose program is still there (gc may
     have taken older ones): not a sweep's point, a test's tiny model or a build with other overrides."""
-    want = want or composition(recipe)
+    want = composition(recipe)
     for m in sorted((root / "runs").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             run = json.loads(m.read_text())

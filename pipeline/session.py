@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pipeline import paths, preflight
 from pipeline.config import v
@@ -96,7 +97,10 @@ def recipe_name() -> str | None:
 
 
 def build(cfg: DictConfig, recipe: str | None = None, stages=ORDER) -> dict:
-    composition = build_hash(cfg)  # the program's config as composed, before preflight fills in its choices
+    try:  # the program's config as composed, before preflight fills in its choices (generate finds builds by it)
+        composition = build_hash(cfg)
+    except OmegaConfBaseException:  # a value that does not resolve: preflight names it, clearly
+        composition = None
     fitted: list[str] = []
     geometry = preflight.check(cfg, notes=fitted)  # every config problem, before any work
     for note in fitted:
