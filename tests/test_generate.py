@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
-from pipeline.generate import Sampler, Session, composition, latest_run, open_for_generation
+from pipeline.builds import composition, latest_run
+from pipeline.generate import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.helpers import ROOT, build, stage_path
 
