@@ -12,15 +12,13 @@ from pipeline import paths
 
 def composition(recipe: str = "default") -> str:
     """The hash a build of `recipe` as composed (no override that changes its program) records in its manifest."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
+    from pipeline.cli import compose
     from pipeline.session import build_hash
     try:
-        with initialize_config_dir(config_dir=str(paths.CONF_DIR), version_base="1.3"):
-            return build_hash(compose("config", overrides=[] if recipe == "default" else [f"recipe={recipe}"]))
+        return build_hash(compose([] if recipe == "default" else [f"recipe={recipe}"]))
     except (HydraException, OmegaConfBaseException) as e:  # an unknown recipe, a file that does not compose
         raise SystemExit(f"error: --recipe {recipe}: {str(e).splitlines()[0]}") from None
 

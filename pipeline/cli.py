@@ -29,6 +29,14 @@ register_configs()
 register_recipes()
 
 
+def compose(overrides: list[str]) -> DictConfig:
+    """The config `python -m pipeline OVERRIDES` would build, composed in this process (no run directory, no job).
+    Raises Hydra's and OmegaConf's errors (an unknown recipe or group option, a bad value)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
 class ConfigGate(Callback):
     """Preflight before Hydra creates the run directory: a rejected config leaves nothing behind in outputs/.
 

@@ -95,15 +95,13 @@ def overrides(a: argparse.Namespace) -> list[str]:
 
 def preflight(ovr: list[str]) -> None:
     """Compose the build's config and run every rule of pipeline/preflight.py (no download, no build)."""
-    from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
     from pipeline import preflight as rules
+    from pipeline.cli import compose
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=ovr)
+        cfg = compose(ovr)
     except (HydraException, OmegaConfBaseException) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     rules.check(cfg)
