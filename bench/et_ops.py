@@ -15,7 +15,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.model.attention import HookedAttentionLM, attention_layers  # noqa: E402
+from pipeline.model.layers.attention import HookedAttentionLM, attention_layers  # noqa: E402
 
 ATTN_IMPL = "et_llama_custom_sdpa"
 
@@ -56,7 +56,7 @@ def build(model_dir: Path, out: Path, quantize: str, context: int, chunk: int) -
     from pipeline.exporters.native import export_program, lower_program
     from pipeline.model.loading import load_hf_model
     from pipeline.config import QuantizeConfig
-    from pipeline.model.quantization import quantize_module
+    from pipeline.model.quant.apply import quantize_module
 
     module = EtOpsLM(load_hf_model(model_dir), context).eval()
     if quantize != "none":

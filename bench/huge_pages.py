@@ -5,7 +5,7 @@ the default build and each model's fastest recipe, at 1 and 2 threads, in altern
     python bench/huge_pages.py --rounds 5 --builds gemma3 --threads 1
 
 Why it matters: decode streams every weight once a token, and on 4 KiB pages the hardware prefetcher stops at each
-page boundary (native/src/runtime/huge_pages.h). Prints median decode tok/s and the ratio on/off per build and
+page boundary (native/src/platform/huge_pages.h). Prints median decode tok/s and the ratio on/off per build and
 thread count; writes outputs/bench/huge_pages.json.
 """
 from __future__ import annotations

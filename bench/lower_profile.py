@@ -58,7 +58,7 @@ def work(variant: str, program: str, overrides: list[str]) -> dict:
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
     from executorch.exir.program import _program
 
-    import pipeline.cli  # noqa: F401  (schemas)
+    import pipeline.compose  # noqa: F401  (registers the schemas, the recipes and the project_path resolver)
     import pipeline.model.cache_modes.custom  # noqa: F401  (the custom ops the program calls)
     import pipeline.model.cache_modes.offgraph  # noqa: F401
     from pipeline.backends import BACKENDS

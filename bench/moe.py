@@ -11,7 +11,7 @@ through llmpipe::experts). Dense: a random Llama of the same geometry with an ML
 same active parameters, through XNNPACK). Both 8 layers, 8 query heads (2 KV), the custom cache, vocabulary 512, the
 same quantization, the same 64-token prompt, 128 new tokens. Prints decode tok/s (median of the rounds) and the ratio
 MoE / dense; writes outputs/bench/moe_<hidden>_<width>.json. --stock adds the MoE with cache=stock, whose program holds
-no op of ours: every expert runs on every token as plain linears (pipeline/model/experts.py DenseExperts).
+no op of ours: every expert runs on every token as plain linears (pipeline/model/layers/experts.py DenseExperts).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def estimate(recipe: str) -> dict:
 
     from pipeline.config import register_configs
     from pipeline.recipes import register_recipes
-    from pipeline.validate import validate_recipe
+    from pipeline.commands.validate import validate_recipe
     register_configs()
     register_recipes()
     problems, est, _ = validate_recipe(recipe, psutil.virtual_memory().total)

@@ -61,7 +61,7 @@ def main() -> None:
     paths = {s["name"]: s.get("path") for s in m["stages"]}
     from pipeline import abi
     from pipeline.backends.xnnpack.numerics import reference
-    from pipeline.model.float_noise import with_float_noise
+    from pipeline.model.quant.float_noise import with_float_noise
     from pipeline.runtimes import open_program
     eager = torch.load(Path(paths["quantize"]) / "module.pt", weights_only=False)
     program = open_program(Path(paths["lower"]))

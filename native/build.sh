@@ -6,7 +6,7 @@
 #   build.sh --target aarch64: every target cross-built for 64-bit ARM Linux into native/build-aarch64/
 #   (toolchain native/cmake/aarch64-linux-gnu.cmake) against the aarch64 executorch wheel of the version
 #   installed here, downloaded once and unpacked under ${XDG_CACHE_HOME:-~/.cache}/llm-pipeline/; run the
-#   binaries under QEMU with `python -m pipeline.native run --target aarch64 BINARY ARGS` (see README.md).
+#   binaries under QEMU with `python -m pipeline native run --target aarch64 BINARY ARGS` (see README.md).
 # Needs: python with executorch, cmake >= 3.28 (pip install cmake), g++, and the
 # Debian packages in native/apt-packages.txt (and native/apt-packages-aarch64.txt to cross-build).
 set -euo pipefail

@@ -1,9 +1,16 @@
-"""Build a recipe: `python -m pipeline recipe=smollm2_xnnpack_8da4w [overrides...]`.
-
-With no recipe it builds the embedded default (SmolLM2-135M-Instruct, XNNPACK, 8da4w).
-`-m` runs a Hydra multirun sweep; `--cfg job` prints the composed config.
+"""`python -m pipeline [OVERRIDES]` builds a recipe (`recipe=smollm2_xnnpack_8da4w`; with none, the embedded default:
+SmolLM2-135M-Instruct on XNNPACK); `-m` runs a Hydra multirun sweep; `--cfg job` prints the composed config.
+`python -m pipeline COMMAND [ARGS]` runs one of pipeline/commands (`python -m pipeline commands` lists them).
 """
-from pipeline.cli import main
+import sys
+
+from pipeline.commands import COMMANDS, run
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["commands"]:
+        print("\n".join(f"{name:18s} {what}" for name, what in COMMANDS.items()))
+    elif sys.argv[1:2] and sys.argv[1] in COMMANDS:
+        sys.exit(run(sys.argv[1], sys.argv[2:]))
+    else:
+        from pipeline.commands.build import main
+        main()

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from pipeline.model.archs import ARCHS, ROLES
+from pipeline.registry import v  # noqa: F401  (config.v: the plain value of a field, for the layers above)
 
 
 class Source(str, Enum):
@@ -42,7 +43,7 @@ LinearScheme = _choices("LinearScheme", ["none", "8w", "4w", "8da4w", "8da8w", "
 EmbeddingScheme = _choices("EmbeddingScheme", ["none", "8w", "4w", "nvfp4"])
 # the stages in build order (pipeline/stages checks its modules against it): run.until's choices
 Stage = _choices("Stage", ["download", "wrap", "calibrate", "quantize", "export", "lower", "verify"])
-# deliberately broken programs, for the gate's calibration (pipeline/model/faults.py); never in a recipe
+# deliberately broken programs, for the gate's calibration (pipeline/model/layers/faults.py); never in a recipe
 Fault = _choices("Fault", ["layer_permuted", "group_scale_doubled", "heads_swapped", "ring_one_short"])
 
 
@@ -132,7 +133,7 @@ class ModelConfig:
 class QuantAlgorithm(str, Enum):
     minmax = "minmax"   # scales from each group's min/max (torchao's affine default)
     hqq = "hqq"         # torchao's scale-only HQQ: scales fitted to the group (ExecuTorch's LLM export default)
-    # GPTQ over the calibration text's Hessians, with importance-weighted scales (pipeline/model/gptq.py; the
+    # GPTQ over the calibration text's Hessians, with importance-weighted scales (pipeline/model/quant/gptq.py; the
     # calibrate stage measures them)
     gptq = "gptq"
 
@@ -162,10 +163,10 @@ class QuantizeConfig:
     # on backends with asymmetric weights Q4_1 -> 4 bits in groups of 32), carry it instead of re-quantizing
     source_grid: bool = False
     # SmoothQuant's alpha in (0, 1): move activation outliers into the weights before quantizing (float model
-    # unchanged; pipeline/model/smoothing.py); null: off
+    # unchanged; pipeline/model/quant/smoothing.py); null: off
     smoothing: Optional[float] = None
     tie_word_embeddings: bool = True          # re-tie lm_head when the model ties and schemes are equal
-    # file bits/weight the linears' schemes are chosen for (pipeline/model/allocate.py: each linear's measured KLD
+    # file bits/weight the linears' schemes are chosen for (pipeline/model/quant/allocate.py: each linear's measured KLD
     # cost at each scheme the backend offers, the least total within the target); null: `linear` and `overrides`
     target_bpw: Optional[float] = None
 
@@ -197,11 +198,11 @@ class ExportConfig:
     strict: Optional[bool] = None
     exporter: Exporter = Exporter.native      # who exports and lowers: pipeline/exporters/<name>.py
     fault: Optional[Fault] = None             # break the captured module on purpose (gate calibration, tests)
-    # q/k/v and gate/up, each run as one wider linear (pipeline/model/fused_projections.py): the same bits,
+    # q/k/v and gate/up, each run as one wider linear (pipeline/model/layers/fused_projections.py): the same bits,
     # fewer operators per token; fp32 programs only
     fuse_projections: bool = True
     # a tied lm_head re-tied to an 8-bit per-row embedding runs on llmpipe::tied_head over the embedding's table, which
-    # the program then stores once (pipeline/model/tied_head.py); false: the backend runs its own copy (XNNPACK's)
+    # the program then stores once (pipeline/model/layers/tied_head.py); false: the backend runs its own copy (XNNPACK's)
     store_tied_once: bool = True
 
 
@@ -219,7 +220,7 @@ class Thresholds:
     min_top1: Optional[float] = None
     max_kld: Optional[float] = None
     max_kld_ratio: Optional[float] = None     # vs_float: KLD <= ratio x the eager quantized model's own KLD
-    # same_quant: mean KLD <= this x the build's numerics floor (pipeline/model/float_noise.py) + 1e-4
+    # same_quant: mean KLD <= this x the build's numerics floor (pipeline/model/quant/float_noise.py) + 1e-4
     max_kld_over_floor: Optional[float] = None
     # the thresholds above hold for each prompt (true), or for the figures over all prompts (false: where
     # last-bit noise alone moves one short prompt's figures by a token or two)
@@ -321,8 +322,3 @@ def register_configs() -> None:
     for group, schema in GROUP_SCHEMAS.items():
         # group files start with `defaults: [/schema/<group>@_here_]`
         cs.store(group="schema", name=group, node=schema)
-
-
-def v(x):
-    """The plain value of a config field (Enum members become their string)."""
-    return x.value if isinstance(x, Enum) else x

@@ -7,8 +7,8 @@ from pipeline.config import v
 from pipeline.exporters import EXPORTERS
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
-from pipeline.model.kv_layout import geometry_layout, ring_slots
-from pipeline.model.quantization import head_scheme
+from pipeline.model.kv.layout import geometry_layout, ring_slots
+from pipeline.model.quant import resolve
 
 # --------------------------------------------------------------------------------------------------
 # Each stage's peak RSS (the build's own process, as the run
@@ -68,7 +68,7 @@ def kv_cache_bytes(cfg, g: Geometry) -> int:
 def weight_bytes(scheme: str, group: int, dtype: str) -> float:
     """Bytes a weight takes in the eager module after quantize: torchao holds 4-bit values in int8 and each group
     adds a scale and a zero point; nvfp4 packs two values a byte with an fp8 scale per 16."""
-    from pipeline.model.schemes import SCHEMES
+    from pipeline.model.quant.schemes import SCHEMES
     return SCHEMES[scheme].module_bytes(group, DTYPE_BYTES[dtype])
 
 
@@ -79,10 +79,8 @@ def linear_parameters(g: Geometry, params: int) -> int:
 
 def own_head(q, g: Geometry) -> bool:
     """Does the quantized module hold an lm_head of its own (not the embedding re-tied, not a float tied one)?"""
-    head, head_group = head_scheme(q)
-    retied = g.tie_word_embeddings and q.tie_word_embeddings and v(q.embedding) != "none" and \
-        (v(q.embedding), q.embedding_group_size) == (head, head_group)
-    return not retied and not (g.tie_word_embeddings and head == v(q.embedding) == "none")
+    retied = resolve.retied(q, g.tie_word_embeddings)
+    return not retied and not (g.tie_word_embeddings and resolve.head(q).scheme == resolve.embedding(q).scheme == "none")
 
 
 def module_parts(cfg, g: Geometry, params: int) -> list[tuple[int, str, int]]:
@@ -90,9 +88,9 @@ def module_parts(cfg, g: Geometry, params: int) -> list[tuple[int, str, int]]:
     of its own. The linears' overrides count at the linears' scheme."""
     q = cfg.quantize
     parts = [(linear_parameters(g, params), v(q.linear), q.linear_group_size),
-             (embedding_parameters(g), v(q.embedding), q.embedding_group_size)]
+             (embedding_parameters(g), *resolve.embedding(q).pair)]
     if own_head(q, g):
-        parts.append((g.vocab_size * g.hidden_size, *head_scheme(q)))
+        parts.append((g.vocab_size * g.hidden_size, *resolve.head(q).pair))
     return parts
 
 

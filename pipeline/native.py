@@ -1,9 +1,9 @@
 """The native runner (native/): build it on demand and call it.
 
-    python -m pipeline.native path     # build if missing/stale, print the runner path
-    python -m pipeline.native build    # same, always runs the (incremental) build
-    python -m pipeline.native run [--target aarch64] BINARY ARGS...   # a binary of native/build[-aarch64]/
-    python -m pipeline.native path|build --target aarch64            # the ARM64 cross-build (native/build-aarch64/)
+    python -m pipeline native path     # build if missing/stale, print the runner path
+    python -m pipeline native build    # same, always runs the (incremental) build
+    python -m pipeline native run [--target aarch64] BINARY ARGS...   # a binary of native/build[-aarch64]/
+    python -m pipeline native path|build --target aarch64            # the ARM64 cross-build (native/build-aarch64/)
 
 API for the verify stage:
     runner_path(build=True) -> Path
@@ -128,7 +128,7 @@ def aarch64_binary(name: str, build: bool = True) -> Path:
     if build and _stale(binary, [AARCH64_TOOLCHAIN]):
         aarch64_build()
     if not binary.exists():
-        raise NativeBuildError(f"{binary} does not exist (run: python -m pipeline.native build --target aarch64)")
+        raise NativeBuildError(f"{binary} does not exist (run: python -m pipeline native build --target aarch64)")
     return binary
 
 
@@ -148,7 +148,7 @@ def runner_path(build: bool = True) -> Path:
     if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI)):
         build_native()
     if not RUNNER.exists():
-        raise NativeBuildError(f"{RUNNER} does not exist (run: python -m pipeline.native path)")
+        raise NativeBuildError(f"{RUNNER} does not exist (run: python -m pipeline native path)")
     return RUNNER
 
 
@@ -162,7 +162,7 @@ def kernels_library_path(build: bool = True, library: Path = KERNELS_LIB) -> Pat
     if build and (_stale(RUNNER) or _stale(TOKENIZER_CLI) or _stale(library)):
         build_native()
     if not library.exists():
-        raise NativeBuildError(f"{library} does not exist (run: python -m pipeline.native build)")
+        raise NativeBuildError(f"{library} does not exist (run: python -m pipeline native build)")
     return library
 
 
@@ -284,59 +284,3 @@ def encode(tokenizer: str | os.PathLike, prompt: str, chat: str = "0", *,
         args += ["--pte", str(pte)]
     out = _call(args, timeout).stdout.strip()
     return [int(x) for x in out.split()] if out else []
-
-
-USAGE = ("usage: python -m pipeline.native [path|build|tokenizer-cli]\n"
-         "       python -m pipeline.native path|build --target aarch64\n"
-         "       python -m pipeline.native run [--target aarch64] BINARY [ARGS...]")
-
-
-def _exec(binary: Path, cmd: list[str]) -> int:
-    """Replaces this process with cmd: stdin/stdout/stderr, signals and the exit status are the binary's own."""
-    if not binary.is_file():
-        names = sorted(p.name for p in binary.parent.iterdir() if p.is_file() and os.access(p, os.X_OK))
-        raise NativeError(f"no binary {binary.name} in {binary.parent} (there: {', '.join(names)})")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvp(cmd[0], cmd)
-    return 127  # not reached
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = argv[0] if argv else "path"
-    rest = argv[1:]
-    target = None
-    if rest[:1] == ["--target"] and len(rest) > 1:  # before BINARY only: what follows it is the binary's
-        target, rest = rest[1], rest[2:]
-    elif rest[:1] and rest[0].startswith("--target="):
-        target, rest = rest[0].split("=", 1)[1], rest[1:]
-    if target not in (None, "aarch64") or (cmd == "run" and not rest) or (cmd == "tokenizer-cli" and target):
-        print(USAGE, file=sys.stderr)
-        return 2
-    try:
-        if cmd == "path":
-            print(aarch64_binary("llm_runner") if target else runner_path())
-        elif cmd == "build":
-            print(aarch64_build(force=True) if target else build_native(force=True))
-        elif cmd == "tokenizer-cli":
-            print(tokenizer_cli_path())
-        elif cmd == "run":
-            name, args = rest[0], rest[1:]
-            if target:
-                aarch64_build()  # if any binary is missing or stale
-                return _exec(AARCH64_BUILD_DIR / name, qemu_command(name, args))
-            binary = BUILD_DIR / name
-            build_native(force=_stale(binary))
-            return _exec(binary, [str(binary), *args])
-        else:
-            print(USAGE, file=sys.stderr)
-            return 2
-    except NativeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

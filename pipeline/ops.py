@@ -1,8 +1,8 @@
 """The operator libraries a program's host needs, and each in this Python process.
 
-    python -m pipeline.ops PTE            # the operators a .pte calls, and the library that provides each
-    python -m pipeline.ops --registered   # the operators this process has kernels for after load()
-    python -m pipeline.ops --isa          # the ISA path our kernels take here, and the paths this CPU has
+    python -m pipeline ops PTE            # the operators a .pte calls, and the library that provides each
+    python -m pipeline ops --registered   # the operators this process has kernels for after load()
+    python -m pipeline ops --isa          # the ISA path our kernels take here, and the paths this CPU has
 
     from pipeline import ops
     ops.load()      # after it, ExecuTorch's Python runtime and TextLLMRunner resolve every operator of ours
@@ -15,8 +15,6 @@ Python-side library), and ours (native/'s libllmpipe_ops).
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
@@ -42,7 +40,6 @@ def _load_llama() -> None:
 
 
 def _load_ours() -> None:
-    from pipeline.runtimes.native_cache import load_native_kernels
     load_native_kernels()
 
 
@@ -118,7 +115,7 @@ def requirements(operators: Iterable[str], delegates: Iterable[str]) -> dict:
 
 
 def describe(req: dict) -> str:
-    """One line on what a program needs (the build summary's and `python -m pipeline.ops PTE`'s)."""
+    """One line on what a program needs (the build summary's and `python -m pipeline ops PTE`'s)."""
     beyond = req["beyond_stock"]
     if not beyond:
         return "ExecuTorch's stock libraries alone"
@@ -155,7 +152,6 @@ def isa() -> str:
 def _kernels_library():
     import ctypes
 
-    from pipeline.runtimes.native_cache import load_native_kernels
     lib = load_native_kernels()
     lib.llmpipe_isa_supported.restype, lib.llmpipe_isa_supported.argtypes = ctypes.c_int, [ctypes.c_char_p]
     return lib
@@ -167,40 +163,51 @@ def registered() -> list[str]:
     return sorted(portable_lib._get_operator_names())
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.ops", description=__doc__.split("\n\n")[0])
-    ap.add_argument("pte", nargs="?", help="a .pte: its operators and the library that provides each")
-    ap.add_argument("--registered", action="store_true", help="the operators this process resolves after load()")
-    ap.add_argument("--isa", action="store_true", help="our kernels' ISA path here (LLMPIPE_ISA forces one)")
-    args = ap.parse_args(argv)
-    try:
-        return _main(args, ap)
-    except RuntimeError as e:  # a bad LLMPIPE_ISA, a library that will not load: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+# ---- our kernel library in this process (ctypes): its operators registered, its C API declared ----
+
+_NATIVE_LIB = None
 
 
-def _main(args, ap) -> int:
-    if args.isa:
-        print(f"{isa()}; paths here: {', '.join(isa_paths())}")
-        return 0
-    if args.registered:
-        load()
-        print("\n".join(registered()))
-        return 0
-    if not args.pte:
-        ap.error("give a .pte or --registered")
-    ops_, delegates = program_operators(read_program(Path(args.pte)))
-    for op in ops_:
-        print(f"{op:55s} {library(op).link}")
-    for d in delegates:
-        print(f"{'delegate ' + d:55s} {DELEGATES.get(d, d)}")
-    req = requirements(ops_, delegates)
-    print("runs on ExecuTorch's stock libraries alone" if req["stock_only"] else
-          f"runs on {describe(req)}" if not req["needs_ours"] else
-          f"needs beyond ExecuTorch's stock libraries: {', '.join(sorted(set(req['beyond_stock'].values())))}")
-    return 0
+def load_native_kernels(path=None):
+    """Loads libllmpipe_ops.so with RTLD_GLOBAL (registers every llmpipe:: kernel in the Python runtime's
+    libexecutorch) and returns the ctypes handle. Idempotent. A bad LLMPIPE_ISA raises, naming the paths."""
+    global _NATIVE_LIB
+    if _NATIVE_LIB is not None:
+        return _NATIVE_LIB
+    import ctypes
+    if path is None:
+        from pipeline.native import kernels_library_path
+        path = kernels_library_path()
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    p64 = ctypes.POINTER(ctypes.c_int64)
+    lib.llmpipe_cache_create.restype = vp
+    lib.llmpipe_cache_create.argtypes = [c_int, p64, p64, p64, p64, i64, i64, i64, c_int]
+    for name, res, args in [("llmpipe_cache_destroy", None, [vp]), ("llmpipe_cache_bind", None, [vp]),
+                            ("llmpipe_cache_check_step", c_int, [vp, i64, i64]),
+                            ("llmpipe_cache_commit", None, [vp, i64, i64]),
+                            ("llmpipe_cache_rewind", c_int, [vp, i64]),
+                            ("llmpipe_cache_snapshot", vp, [vp, vp]), ("llmpipe_cache_restore", c_int, [vp, vp]),
+                            ("llmpipe_snapshot_free", None, [vp]),
+                            ("llmpipe_cache_reset", None, [vp]), ("llmpipe_cache_length", i64, [vp]),
+                            ("llmpipe_cache_allocated", i64, [vp, c_int]),
+                            ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
+                            ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
+                            ("llmpipe_cache_set_states", c_int, [vp, c_int, p64]),
+                            ("llmpipe_back_with_huge_pages", i64, [i64]),
+                            ("llmpipe_last_error", ctypes.c_char_p, []), ("llmpipe_isa", ctypes.c_char_p, []),
+                            ("llmpipe_isa_problem", ctypes.c_char_p, []),
+                            ("llmpipe_isa_describe", ctypes.c_char_p, [])]:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    problem = lib.llmpipe_isa_problem().decode()
+    if problem:
+        raise RuntimeError(f"native kernels: {problem}")
+    _NATIVE_LIB = lib
+    return lib
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def back_with_huge_pages(min_bytes: int = 4 << 20) -> int:
+    """The C++ runners' --huge-pages in this process (native/src/platform/huge_pages.h): its large anonymous
+    mappings (XNNPACK's packed weights, the KV cache) collapsed onto 2 MiB pages. Returns the bytes now on them."""
+    return int(load_native_kernels().llmpipe_back_with_huge_pages(int(min_bytes)))

@@ -7,6 +7,8 @@ from pathlib import Path
 ROOT = Path(os.environ.get("PIPELINE_ROOT", Path(__file__).resolve().parent.parent)).resolve()
 CONF_DIR = ROOT / "conf"
 RECIPES_DIR = ROOT / "recipes"
+# the tests' recipes (tiny random models of each kind), registered beside the users' under their own names
+TEST_RECIPES_DIR = ROOT / "tests" / "recipes"
 OUTPUTS_ROOT = ROOT / "outputs"
 
 

@@ -25,7 +25,7 @@ from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.model.archs import ROLES, UnsupportedArch
-from pipeline.model.quantization import override_matches
+from pipeline.model.quant import resolve
 from pipeline.store.backends import redacted, url_problem
 from pipeline.paths import OUTPUTS_ROOT, is_inside_outputs
 
@@ -125,22 +125,10 @@ def _dataclass_in(hint):
     return None
 
 
-def quantized_parts(q) -> list[tuple[str, str, str, int]]:
-    """(scheme key, group key, scheme, group) of every part the quantize config names."""
-    parts = [("quantize.linear", "quantize.linear_group_size", v(q.linear), q.linear_group_size),
-             ("quantize.embedding", "quantize.embedding_group_size", v(q.embedding), q.embedding_group_size)]
-    if q.lm_head is not None:
-        parts.append(("quantize.lm_head", "quantize.lm_head_group_size", v(q.lm_head), q.lm_head_group_size))
-    for i, o in enumerate(q.overrides):
-        parts.append((f"quantize.overrides[{i}].scheme", f"quantize.overrides[{i}].group_size", v(o.scheme),
-                      o.group_size))
-    return parts
-
-
 def quantize_problems(cfg) -> Problems:
     q, backend = cfg.quantize, v(cfg.backend.name)
     out = []
-    for key, group_key, scheme, group in quantized_parts(q):
+    for key, group_key, (scheme, group) in ((k, gk, c.pair) for k, gk, c in resolve.knobs(q)):
         if scheme == "none":
             continue
         why = BACKENDS[backend].refuses(scheme, group, v(cfg.export.dtype), gemm=key != "quantize.embedding")
@@ -161,21 +149,21 @@ def quantize_problems(cfg) -> Problems:
         if q.source_grid:
             out.append(("quantize.smoothing", q.smoothing, "the source's grid holds the unsmoothed weights: "
                         "quantize.source_grid=true carries them, so choose one of the two"))
-        if not any(key != "quantize.embedding" and scheme != "none" for key, _, scheme, _ in quantized_parts(q)):
+        if not any(key != "quantize.embedding" and c.scheme != "none" for key, _, c in resolve.knobs(q)):
             out.append(("quantize.smoothing", q.smoothing, "smooths the inputs of quantized linears: none are "
                         "quantized (quantize.linear / lm_head / overrides)"))
     if v(q.algorithm) == "gptq" and q.source_grid:
         out.append(("quantize.algorithm", "gptq", "rounds the weights anew: quantize.source_grid=true carries the "
                     "file's own rounding, so choose one of the two"))
     if q.target_bpw is not None:
-        from pipeline.model.allocate import CANDIDATES
-        if backend not in CANDIDATES:
+        planning = [name for name, b in BACKENDS.items() if b.PLAN_CANDIDATES]
+        if not BACKENDS[backend].PLAN_CANDIDATES:
             out.append(("quantize.target_bpw", q.target_bpw, f"backend={backend} has no schemes to allocate: "
-                        f"allowed on {sorted(CANDIDATES)}"))
+                        f"allowed on {sorted(planning)}"))
         elif not 2 <= q.target_bpw <= 32:
             out.append(("quantize.target_bpw", q.target_bpw, "file bits per weight: allowed 2 to 32, or null (off)"))
         else:
-            for scheme, group in CANDIDATES[backend]:
+            for scheme, group in BACKENDS[backend].PLAN_CANDIDATES:
                 why = BACKENDS[backend].refuses(scheme, group, v(cfg.export.dtype))
                 if why:
                     out.append(("quantize.target_bpw", q.target_bpw, f"allocates {scheme} g{group}, which "
@@ -282,9 +270,9 @@ def geometry_problems(cfg, g: Geometry) -> Problems:
             and g.hidden_size % q.lm_head_group_size:
         out.append(("quantize.lm_head_group_size", q.lm_head_group_size, f"must divide the lm_head's in_features "
                     f"{g.hidden_size}; divisors that work: {_common_divisors([g.hidden_size])}"))
-    from pipeline.model.allocate import target_problems
+    from pipeline.model.quant.allocate import target_problems
     out += override_problems(q, g) + target_problems(q, g, parameter_count(g), embedding_parameters(g),
-                                                     v(cfg.backend.name))
+                                                     BACKENDS[cfg.backend.name])
     if v(q.embedding) != "none" and q.embedding_group_size > 0 and g.hidden_size % q.embedding_group_size:
         out.append(("quantize.embedding_group_size", q.embedding_group_size,
                     f"must divide the embedding dim {g.hidden_size}; divisors that work: "
@@ -310,7 +298,7 @@ def override_problems(q, g: Geometry) -> Problems:
             out.append((f"{key}.pattern/role", [o.pattern, v(o.role)], "set exactly one: a name pattern "
                         "('*.mlp.down_proj') or a role (" + ", ".join(ROLES) + ")"))
             continue
-        matched = {name: n for name, (_, n, role) in specs.items() if override_matches(o, name, role)}
+        matched = {name: n for name, (_, n, role) in specs.items() if resolve.override_matches(o, name, role)}
         if not matched and o.pattern is not None:
             out.append((f"{key}.pattern", o.pattern, f"matches no linear of this {g.arch} model; they are named like "
                         + ", ".join(repr(n) for n in list(specs)[:4]) + ", 'lm_head'"))

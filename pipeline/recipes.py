@@ -1,25 +1,35 @@
-"""Named recipes: YAML files under recipes/ (recursively), registered as the Hydra group `recipe`.
+"""Named recipes: YAML files under recipes/ (the users') and tests/recipes/ (the tests' tiny ones), recursively,
+registered as the Hydra group `recipe`.
 
-Hydra looks groups up as <searchpath>/<group>/<name>.yaml; recipes live in a top-level folder
-instead, so each file is stored in the ConfigStore under group `recipe` with its relative path
-(without .yaml) as the name: `recipe=smollm2_xnnpack`, `recipe=mlx/llama_mlx`.
+Hydra looks groups up as <searchpath>/<group>/<name>.yaml; recipes live in top-level folders instead, so each file is
+stored in the ConfigStore under group `recipe` with its path relative to its folder (without .yaml) as the name:
+`recipe=smollm2_xnnpack`, `recipe=mlx/llama_mlx`, `recipe=tiny_llama_xnnpack`.
 """
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from pipeline.paths import RECIPES_DIR
+from pipeline.paths import RECIPES_DIR, TEST_RECIPES_DIR
 
 
-def recipe_files(root: Path = RECIPES_DIR) -> dict[str, Path]:
-    return {p.relative_to(root).with_suffix("").as_posix(): p
-            for p in sorted(root.rglob("*.yaml"))}
+def recipe_files(root: Optional[Path] = None) -> dict[str, Path]:
+    """name -> file, of one folder, or (None) of recipes/ and tests/recipes/ (where the checkout has it)."""
+    roots = [root] if root is not None else [d for d in (RECIPES_DIR, TEST_RECIPES_DIR) if d.is_dir()]
+    out: dict[str, Path] = {}
+    for folder in roots:
+        for p in sorted(folder.rglob("*.yaml")):
+            name = p.relative_to(folder).with_suffix("").as_posix()
+            if name in out:
+                raise ValueError(f"recipe {name!r} is defined twice: {out[name]} and {p}")
+            out[name] = p
+    return out
 
 
-def register_recipes(root: Path = RECIPES_DIR) -> list[str]:
+def register_recipes(root: Optional[Path] = None) -> list[str]:
     cs = ConfigStore.instance()
     names = []
     for name, path in recipe_files(root).items():

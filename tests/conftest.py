@@ -1,21 +1,52 @@
-"""Markers, the tier rule, and the shared real-model builds of the CI tier (tests/helpers.py CI_BUILDS).
+"""Markers, the tier rule, the slow tier's rotation and record, and the shared real-model builds of the CI tier
+(tests/helpers.py CI_BUILDS).
 
-Tiers: `python3 -m pytest` runs the CI tier (everything not marked slow); `python3 -m pytest -m slow` the slow
-tier; `-m "slow or not slow"` both.
+Tiers: `python3 -m pytest` runs the CI tier (everything not marked slow) and this commit's share of the slow tier
+(tests/rotation.py); `python3 -m pytest -m slow` the whole slow tier; `-m "slow or not slow"` everything.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests import helpers
+from tests import helpers, rotation
+
+_SESSION = {"slow": None, "passed": []}
 
 
+@pytest.hookimpl(tryfirst=True)  # before the -m deselection, which reads the rotation marker set here
 def pytest_collection_modifyitems(config, items):
-    """The files with real-model tests first (in their order, then the rest in theirs): with a worker per file
-    (pyproject's -n 2 --dist loadfile), the two long builds start at once and the short files fill in behind them,
-    instead of one build running alone at the end."""
+    """Marks this run's share of the slow tier `rotation` (pyproject's `-m 'not slow or rotation'` keeps it), and
+    puts the files with real-model tests first (in their order, then the rest in theirs): with a worker per file
+    (pyproject's -n 2 --dist loadfile), the long builds start at once and the short files fill in behind them."""
+    share = rotation.current_share()
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    units: dict[str, bool] = {}
+    for item in slow:
+        units[rotation.item_unit(item)] = units.get(rotation.item_unit(item), False) or rotation.item_heavy(item)
+    planned = rotation.shares(units)
+    for item in slow:
+        if share is not None and planned[rotation.item_unit(item)] == share:
+            item.add_marker("rotation")
+    if not config.args or [str(a) for a in config.args] == config.getini("testpaths"):  # the whole suite
+        _SESSION["slow"] = [item.nodeid for item in slow]
     real = {item.path for item in items if item.get_closest_marker("real_model")}
     items.sort(key=lambda item: item.path not in real)
+
+
+def pytest_report_header(config):
+    share = rotation.current_share()
+    return f"slow-tier rotation: share {share} of {rotation.SHARES}" if share is not None else \
+        "slow-tier rotation: none"
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and "slow" in report.keywords:
+        _SESSION["passed"].append(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller sees every worker's reports
+        rotation.update_record(_SESSION["passed"], _SESSION["slow"])
 
 
 def pytest_runtest_setup(item):

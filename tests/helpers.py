@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-import pipeline.cli  # noqa: F401  (registers the schemas, recipes and the project_path resolver)
+import pipeline.compose  # noqa: F401  (registers the schemas, the recipes and the project_path resolver)
 from pipeline.paths import CONF_DIR, ROOT
 
 # The real-model builds the CI tier makes: each once per session, shared through the fixtures of the same name in

@@ -31,3 +31,41 @@ def test_the_shared_builds_and_the_slow_tier_may(monkeypatch):
 def test_every_shared_build_has_its_fixture(request):
     for name in helpers.CI_BUILDS:
         assert request.session._fixturemanager.getfixturedefs(name, request.node), name
+
+
+def test_the_rotation_deals_heavy_units_one_to_a_share_and_hashes_the_rest():
+    from tests import rotation
+    units = {f"tests/e2e/test_heavy_{i}.py": True for i in range(rotation.SHARES)}
+    units.update({f"tests/e2e/test_light.py::test_cell[{i}]": False for i in range(200)})
+    plan = rotation.shares(units)
+    assert sorted(plan[u] for u, heavy in units.items() if heavy) == list(range(rotation.SHARES))
+    light = [plan[u] for u, heavy in units.items() if not heavy]
+    assert set(light) == set(range(rotation.SHARES))  # 200 cells reach every share
+    assert rotation.shares(dict(list(units.items())[::-1])) == plan  # the order they were collected in does not matter
+
+
+def test_a_run_takes_exactly_its_share_of_the_slow_tier():
+    """pytest's own selection (-m 'not slow or rotation') against the plan, for one share."""
+    import os
+    import subprocess
+    import sys
+
+    from tests import rotation
+
+    def collect(*args, share):
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider",
+                            *args], cwd=rotation.ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, rotation.ENV: share})
+        return {line for line in r.stdout.splitlines() if "::" in line}
+
+    import importlib
+
+    every_slow = collect("-m", "slow", share="none")
+    chosen = collect(share="3") - collect(share="none")
+    assert chosen and chosen <= every_slow, "share 3 is a part of the slow tier"
+    units: dict[str, set] = {}
+    for n in every_slow:
+        module = importlib.import_module(n.split("::")[0].removesuffix(".py").replace("/", "."))
+        units.setdefault(rotation.unit(n, getattr(module, "ROTATE_EACH_TEST", False)), set()).add(n)
+    # whole units: a unit is in the share with all its tests or not at all
+    assert all(tests <= chosen or not tests & chosen for tests in units.values())

@@ -7,7 +7,7 @@ from pipeline import preflight
 from pipeline.errors import ConfigError
 from pipeline.config import v
 from pipeline.model.geometry import from_hf_config
-from pipeline.validate import NEEDS_HUB, hub_offline_unless_reachable
+from pipeline.commands.validate import NEEDS_HUB, hub_offline_unless_reachable
 from pipeline.recipes import recipe_files
 from tests.helpers import GEMMA4_E2B_TEXT_CONFIG, compose_cfg
 

@@ -1,4 +1,4 @@
-"""Schema- and grammar-constrained output (pipeline/constrain.py; llm_runner through its sidecar): every output parses
+"""Schema- and grammar-constrained output (pipeline/generation/constrain.py; llm_runner through its sidecar): every output parses
 and validates against its schema: 50 of 50 sampled outputs of a tiny random model (Python runner), 50 of 50 greedy
 answers of the real default program (Python runner, and the C++ runner in one interactive session); a GBNF grammar
 holds too; a draft is checked against the grammar so a constrained run still speculates, its greedy tokens those of
@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 
 from pipeline import native
-from pipeline.constrain import Constraint, grammar_text, tokenizer_for
-from pipeline.generate import Sampler, Session, Text, open_for_generation
+from pipeline.generation.constrain import Constraint, grammar_text, tokenizer_for
+from pipeline.generation.runner import Sampler, Session, Text, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.helpers import build
 from tests.test_generate import _cli, _stats
@@ -63,7 +63,7 @@ def test_fifty_answers_of_the_default_program_parse_and_validate(smollm2_default
     m = smollm2_default
     text = Text(Path(m["model_dir"]), None, "auto")
     session = Session(open_for_generation(Path(m["pte"]), CachePolicy()))
-    from pipeline.speculate import Speculation
+    from pipeline.generation.speculate import Speculation
     spec = Session(open_for_generation(Path(m["pte"]), CachePolicy()), Speculation())
     grammar = grammar_text(schema_file)
     lltok = tokenizer_for(text.fast_tokenizer(), session.vocab)
@@ -125,7 +125,7 @@ ORDINARY = {"type": "object", "properties": {"city": {"type": "string"}, "popula
 
 
 def test_a_schema_is_closed_to_properties_it_does_not_name_unless_it_allows_them():
-    from pipeline.constrain import closed
+    from pipeline.generation.constrain import closed
     nested = {**ORDINARY, "properties": {**ORDINARY["properties"], "where": {"properties": {"x": {}}}}}
     c = closed(nested)
     assert c["additionalProperties"] is False and c["properties"]["where"]["additionalProperties"] is False

@@ -1,4 +1,4 @@
-"""python -m pipeline.export_llm_hf: the reference's flags as this pipeline's overrides, refusals before any work, and a
+"""python -m pipeline export_llm_hf: the reference's flags as this pipeline's overrides, refusals before any work, and a
 real build on a tiny model whose verified .pte is copied to --output (its sha256 the run manifest's pte_sha256)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import export_llm_hf as cmd
+from pipeline.commands import export_llm_hf as cmd
 from tests.helpers import ROOT
 
 
@@ -73,7 +73,7 @@ def test_bad_flags_are_refused_before_any_work(capsys, tmp_path):
 
 
 def run(*argv: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.export_llm_hf", *argv], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline", "export_llm_hf", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -1,4 +1,4 @@
-"""python -m pipeline.generate: the Python runner. Its greedy tokens equal the C++ runner's on the same program in
+"""python -m pipeline generate: the Python runner. Its greedy tokens equal the C++ runner's on the same program in
 every cache mode (past the sliding windows on the tiny Gemma), and verify's on the programs the C++ runner cannot
 run (MLX, the transformers route's pair); the command streams, reports, samples reproducibly, and chats.
 (Random tiny models repeat one token greedily, so the equality that tells most is on the real default program:
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
-from pipeline.builds import composition, latest_run
-from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.generation.builds import composition, latest_run
+from pipeline.generation.runner import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.helpers import ROOT, build, stage_path
 
@@ -100,7 +100,7 @@ def test_sampling_is_reproducible_by_seed_and_respects_top_k_and_top_p():
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.generate", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline", "generate", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, input=stdin)
 
 

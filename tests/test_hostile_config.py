@@ -75,7 +75,7 @@ def test_a_recipe_folder_from_elsewhere_is_checked_not_obeyed(tmp_path):
     folder.mkdir()
     for name, body in recipes.items():
         (folder / f"{name}.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: tiny_llama\n" + body)
-    r = subprocess.run([sys.executable, "-m", "pipeline.validate", str(folder), "--smoke"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "pipeline", "validate", str(folder), "--smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 1, r.stdout[-3000:]
     assert "4 recipe(s), 4 with problems" in r.stdout

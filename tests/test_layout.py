@@ -22,8 +22,46 @@ AXIS_NAMES = "mlx|xnnpack|portable|transformers|native|static|custom|offgraph|st
 COMPARISON = re.compile(rf"""[=!]=\s*["']({AXIS_NAMES})["']""")
 
 
+# pipeline/'s layers, lowest first: a module imports its own layer or lower ones only (a module belongs to the longest
+# prefix named here). docs/layout.md draws the same.
+LAYERS = [
+    ("pipeline.errors", "pipeline.paths", "pipeline.registry", "pipeline.abi"),
+    ("pipeline.model.archs",),
+    ("pipeline.model",),  # reading a model: its sources, geometry, checkpoint, loading
+    ("pipeline.model.kv", "pipeline.model.quant"),
+    ("pipeline.model.layers",),
+    ("pipeline.model.cache_modes",),
+    ("pipeline.config", "pipeline.recipes", "pipeline.fidelity"),
+    ("pipeline.compose", "pipeline.store", "pipeline.native"),
+    ("pipeline.ops",),
+    ("pipeline.backends",),
+    ("pipeline.runtimes", "pipeline.report"),
+    ("pipeline.exporters", "pipeline.support"),
+    ("pipeline.stages", "pipeline.memory_estimate"),
+    ("pipeline.preflight",),
+    ("pipeline.session",),
+    ("pipeline.generation",),
+    ("pipeline.commands", "pipeline.__main__"),
+]
+
+
+def layer(module: str) -> int:
+    best = max(((len(p), i) for i, names in enumerate(LAYERS) for p in names
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is in no layer of tests/test_layout.py LAYERS: place it"
+    return best[1]
+
+
 def test_no_import_cycles():
     assert code.cycles() == []
+
+
+def test_no_import_runs_back_up():
+    """An import from a lower layer to a higher one is an arrow back up: the lower module then depends on what
+    depends on it."""
+    up = [f"{m} (layer {layer(m)}) -> {i} (layer {layer(i)})" for m in code.all_modules() for i in code.imports(m)
+          if layer(i) > layer(m)]
+    assert not up, "\n".join(up)
 
 
 def test_the_graph_sees_lazy_imports():
@@ -93,3 +131,39 @@ def test_exporters_declare_their_interface(name):
                for f in e.STAGE_PEAK.values())
     for fn in ("problems", "geometry_problems", "export", "lower", "artifacts"):
         assert callable(getattr(e, fn)), fn
+
+
+# native/src's folders, lowest first: a source includes headers of its own folder or lower ones only
+NATIVE_LAYERS = ("platform", "tokenizer", "kernels", "runtime", "runner", "batched")
+INCLUDE = re.compile(r'^#include "(\w+)/', re.M)
+
+
+def test_no_native_include_runs_back_up():
+    src = paths.ROOT / "native" / "src"
+    assert sorted(p.name for p in src.iterdir() if p.is_dir()) == sorted(NATIVE_LAYERS), "place the new folder"
+    up = []
+    for path in sorted(src.rglob("*")):
+        if path.suffix not in (".h", ".cpp"):
+            continue
+        folder = path.relative_to(src).parts[0]
+        for target in INCLUDE.findall(path.read_text()):
+            if NATIVE_LAYERS.index(target) > NATIVE_LAYERS.index(folder):
+                up.append(f"{path.relative_to(paths.ROOT)} includes {target}/")
+    assert not up, "\n".join(up)
+
+
+def test_a_module_that_breaks_its_registrys_contract_is_named_at_import():
+    import types
+
+    from pipeline.backends import xnnpack
+    from pipeline.backends.contract import Backend
+    from pipeline.registry import Registry, check_contract
+
+    fake = types.ModuleType("pipeline.backends.fake")
+    fake.__dict__.update({k: v for k, v in vars(xnnpack).items() if not k.startswith("__")})
+    del fake.PLAN_CANDIDATES
+    fake.refuses = lambda scheme, group: None  # the protocol's dtype and gemm missing
+    with pytest.raises(TypeError, match=r"backend.name=fake.*lacks PLAN_CANDIDATES, refuses\(scheme, group, dtype, "
+                                        r"gemm\)"):
+        check_contract(Registry("backend.name", {"fake": fake}), Backend)
+    check_contract(Registry("backend.name", {"xnnpack": xnnpack}), Backend)

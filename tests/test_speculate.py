@@ -1,4 +1,4 @@
-"""Prompt-lookup speculative decoding in python -m pipeline.generate (pipeline/speculate.py).
+"""Prompt-lookup speculative decoding in python -m pipeline generate (pipeline/generation/speculate.py).
 
 Greedy output equals plain decoding in every cache mode and both runtimes here, with drafts rejected at every depth
 (a scripted drafter: the true continuation with every third drafted token wrong), and the cache after the run is the
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.generation.runner import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
-from pipeline.speculate import DraftBudget, NgramDrafter, Speculation, accept
+from pipeline.generation.speculate import DraftBudget, NgramDrafter, Speculation, accept
 from tests.e2e.test_families import build_family
 from tests.helpers import build
 from tests.test_generate import _cli, _prompt, _stats

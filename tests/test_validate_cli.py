@@ -1,4 +1,4 @@
-"""python -m pipeline.validate [DIR]: every recipe checked without downloading or building anything."""
+"""python -m pipeline validate [DIR]: every recipe checked without downloading or building anything."""
 from __future__ import annotations
 
 import subprocess
@@ -12,7 +12,7 @@ from tests.helpers import ROOT, compose_cfg
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "pipeline.validate", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline", "validate", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -118,7 +118,7 @@ def test_gemma4_kv_estimate_counts_per_layer_dims_and_no_cache_for_shared_layers
 
 def test_smoke_builds_a_real_recipe_on_a_tiny_model_of_its_architecture(tmp_path):
     (tmp_path / "smollm2_custom.yaml").write_text((ROOT / "recipes" / "smollm2_custom.yaml").read_text())
-    r = subprocess.run([sys.executable, "-m", "pipeline.validate", str(tmp_path), "--smoke"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "pipeline", "validate", str(tmp_path), "--smoke"], cwd=ROOT,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "smollm2_custom (smoke on tiny_llama)" in r.stdout and "0 with problems" in r.stdout

@@ -14,6 +14,6 @@ set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
 set(CMAKE_LIBRARY_ARCHITECTURE aarch64-linux-gnu)
 list(APPEND CMAKE_IGNORE_PATH /usr/lib/x86_64-linux-gnu /lib/x86_64-linux-gnu)
 
-# try_run and `ctest` run the target's binaries under user-mode QEMU, as `python -m pipeline.native run --target
+# try_run and `ctest` run the target's binaries under user-mode QEMU, as `python -m pipeline native run --target
 # aarch64` does (pipeline/native.py qemu_command says why each flag)
 set(CMAKE_CROSSCOMPILING_EMULATOR qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu neoverse-n1 -E LD_LIBRARY_PATH=/lib)

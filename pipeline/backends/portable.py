@@ -12,12 +12,16 @@ NATIVE_RUNNER = True
 LOWERS_PROGRAM_IN_MEMORY = False  # not held to the bytes of the file: it loads program.pt2
 LOWERS_NON_STRICT = False  # not measured
 TAIL_LOGITS = True
+SCALE_BITS = (16, 32)  # as XNNPACK's: the same torchao layouts
+PLAN_CANDIDATES = (("8da4w", 0), ("8da4w", 32), ("8da8w", 0))
+HANDOVER_CACHE = None
+HANDOVER_CACHE_WHY = "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)"
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
     """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
     weight (an embedding's is only gathered)."""
-    from pipeline.model.schemes import refused_by
+    from pipeline.model.quant.schemes import refused_by
     return refused_by(scheme, "portable")
 
 
@@ -46,8 +50,8 @@ def prepare(module, cfg) -> dict:
 
 
 def pack_experts(model) -> int:
-    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/experts.py); returns how many layers."""
-    from pipeline.model.experts import pack_experts as ours
+    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/layers/experts.py); returns how many layers."""
+    from pipeline.model.layers.experts import pack_experts as ours
     return ours(model)
 
 

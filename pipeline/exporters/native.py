@@ -77,7 +77,7 @@ def export(ctx) -> dict:
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
-        from pipeline.model.faults import inject
+        from pipeline.model.layers.faults import inject
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
@@ -88,24 +88,24 @@ def export(ctx) -> dict:
     if ours:
         info["expert_layers"] = BACKENDS[ctx.cfg.backend.name].pack_experts(module.model)
     else:
-        from pipeline.model.experts import dense_experts
+        from pipeline.model.layers.experts import dense_experts
         info["dense_expert_layers"] = dense_experts(module.model)
     if ctx.cfg.export.fuse_projections and fp32:
-        from pipeline.model.fused_projections import fuse_projections
+        from pipeline.model.layers.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
     if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch":
-        from pipeline.model.tied_head import store_tied_once
+        from pipeline.model.layers.tied_head import store_tied_once
         if ours:
             info.update(store_tied_once(module.model))
         elif module.model.config.get_text_config().tie_word_embeddings:  # the summary says why it is stored twice
-            from pipeline.model.tied_head import shared_table
+            from pipeline.model.layers.tied_head import shared_table
             table, why = shared_table(module.model)
             info.update(tied_head=False, tied_head_why=why if table is None else f"cache.mode={v(ctx.cfg.cache.mode)}: "
                         "ExecuTorch's operators alone, no llmpipe::tied_head")
     info.update(BACKENDS[ctx.cfg.backend.name].prepare(module, ctx.cfg))
     logits_mode = resolve_logits_mode(ctx.cfg)
     if logits_mode == "tail":
-        from pipeline.model.logits_rows import head_on_rows
+        from pipeline.model.layers.logits_rows import head_on_rows
         head_on_rows(module.model)
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, logits_mode)
@@ -194,7 +194,7 @@ def register_program_ops(cfg) -> None:
     """The custom ops an exported program may call, registered for torch.export.load in a process that did not export
     it (export a cache hit, lower a miss): ours where their modules define them, the backend's (MLX), and ExecuTorch's
     llama:: ops (cache.mode=stock) by its custom_ops module."""
-    from pipeline.model import experts, tied_head  # noqa: F401  (define llmpipe::experts, llmpipe::tied_head)
+    from pipeline.model.layers import experts, tied_head  # noqa: F401  (define llmpipe::experts, llmpipe::tied_head)
     BACKENDS[cfg.backend.name].setup()
     ops.load([k for k in CACHE_MODES[cfg.cache.mode].KERNELS if k in ops.LIBRARIES and not ops.LIBRARIES[k].ours])
 
@@ -239,7 +239,7 @@ def runners(cfg) -> dict:
     it), ExecuTorch's TextLLMRunner where forward takes (tokens, positions) and the cache is in the program; `why`
     says what keeps TextLLMRunner out."""
     backend, mode = BACKENDS[cfg.backend.name], CACHE_MODES[cfg.cache.mode]
-    names = ["python -m pipeline.generate"] + (["llm_runner"] if backend.NATIVE_RUNNER else [])
+    names = ["python -m pipeline generate"] + (["llm_runner"] if backend.NATIVE_RUNNER else [])
     if mode.RUNTIME_OWNED and backend.NATIVE_RUNNER:
         names.append("llm_batched_runner")
     logits = resolve_logits_mode(cfg)

@@ -49,7 +49,6 @@ from pipeline.runtimes.executorch import load_kernels
 log = logging.getLogger(__name__)
 
 # the exporter's xnnpack backend lowers from a StaticCache capture; its mlx backend refuses one: a DynamicCache
-CACHE = {"xnnpack": "StaticCache", "mlx": "DynamicCache"}
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK: SmolLM2 fp32 (prefill then decode, one
 # model alive at a time) 4.3 GiB
 NATIVE_RUNNER = False  # prefill.pte + decode.pte: the C++ runners run the native route's one program
@@ -83,7 +82,8 @@ def generation_config(model, context: int, backend: str = "xnnpack"):
     from transformers import GenerationConfig
     cfg = model.config.get_text_config()
     eos = cfg.eos_token_id
-    cache = {"cache_implementation": "static", "max_cache_len": context} if CACHE[backend] == "StaticCache" else \
+    static = BACKENDS[backend].HANDOVER_CACHE == "StaticCache"
+    cache = {"cache_implementation": "static", "max_cache_len": context} if static else \
         {"cache_implementation": "dynamic"}
     return GenerationConfig(**cache, do_sample=False,
                             pad_token_id=cfg.pad_token_id if cfg.pad_token_id is not None else
@@ -173,8 +173,8 @@ def export(ctx) -> dict:
             "inputs": {k: (list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__)
                        for k, t in inputs.items()},
             "dynamic_tokens": [1, e.prefill_chunk],
-            **({"dynamic_past": [1, e.max_context_len - 1]} if name == "decode" and CACHE[backend] == "DynamicCache"
-               else {}),
+            **({"dynamic_past": [1, e.max_context_len - 1]}
+               if name == "decode" and BACKENDS[backend].HANDOVER_CACHE == "DynamicCache" else {}),
             **delegation(components[name].program),
         }
     exported = ExportedModel(components, exporter.export_format, config=model.config, generation_config=gen)
@@ -183,7 +183,8 @@ def export(ctx) -> dict:
     gc.collect()
     report["quantization"] = quant
     report["exporter"] = {"class": "transformers.exporters.ExecutorchExporter", "strict": bool(e.strict),
-                          "multi_token_decode": True, "cache": CACHE[backend], "max_cache_len": e.max_context_len}
+                          "multi_token_decode": True, "cache": BACKENDS[backend].HANDOVER_CACHE,
+                          "max_cache_len": e.max_context_len}
     (ctx.out / "hf_export.json").write_text(json.dumps(report, indent=2))
     sizes = {n: (ctx.out / f"{n}.pte").stat().st_size for n in COMPONENTS}
     return {"exporter": "transformers", "quantization": quant,
@@ -227,7 +228,7 @@ def lower(ctx) -> dict:
         called, delegates = called | set(o), delegates | set(d)
     lowered["deploy"] = {"operators": sorted(called), "delegates": sorted(delegates),
                          **ops.requirements(called, delegates),
-                         "runners": {"runners": ["python -m pipeline.generate"], "text_llm_runner": False,
+                         "runners": {"runners": ["python -m pipeline generate"], "text_llm_runner": False,
                                      "text_llm_runner_why": "two programs whose KV cache is an input and an output: "
                                                             "our Python runner passes it between calls"}}
     (ctx.out / "lower.json").write_text(json.dumps(lowered, indent=2))
@@ -243,7 +244,8 @@ def artifacts(entry) -> dict:
 
 # --- preflight: what this route can build and verify here ----------------------------------------------------
 
-WHY_NOT_BACKEND = {"portable": "the exporter has no portable backend (its backends: xnnpack, cuda, mlx)"}
+def handover_backends() -> list[str]:
+    return [name for name, b in BACKENDS.items() if b.HANDOVER_CACHE is not None]
 
 
 def problems(cfg) -> list[tuple[str, object, str]]:
@@ -251,9 +253,9 @@ def problems(cfg) -> list[tuple[str, object, str]]:
     out = []
     route = "with export.exporter=transformers"
     backend = v(cfg.backend.name)
-    if backend not in CACHE:
-        out.append(("backend.name", backend, f"{route} allowed: {list(CACHE)} "
-                                             f"({WHY_NOT_BACKEND.get(backend, 'not supported')})"))
+    if BACKENDS[backend].HANDOVER_CACHE is None:
+        out.append(("backend.name", backend, f"{route} allowed: {handover_backends()} "
+                                             f"({BACKENDS[backend].HANDOVER_CACHE_WHY})"))
     if v(c.mode) != "static":
         out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
                                              "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "
@@ -268,8 +270,8 @@ def problems(cfg) -> list[tuple[str, object, str]]:
     if e.strict:
         out.append(("export.strict", e.strict, f"{route} allowed: [false] (the exporter traces non-strict with its "
                                               "own patches; strict dynamo tracing fails on them)"))
-    dtypes = BACKENDS[backend].HANDOVER_DTYPES if backend in CACHE else ()
-    if backend in CACHE and v(e.dtype) not in dtypes:
+    dtypes = BACKENDS[backend].HANDOVER_DTYPES if BACKENDS[backend].HANDOVER_CACHE else ()
+    if BACKENDS[backend].HANDOVER_CACHE and v(e.dtype) not in dtypes:
         out.append(("export.dtype", v(e.dtype), f"{route} on {backend} allowed: {list(dtypes)} "
                                                 f"({BACKENDS[backend].HANDOVER_DTYPES_WHY})"))
     if e.fault is not None:

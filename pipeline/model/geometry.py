@@ -377,14 +377,11 @@ def from_gguf(paths: list[Path]) -> Geometry:
     head_dim = g("attention.key_length") or hidden // heads
     n = g("block_count")
     window = g("attention.sliding_window")
-    if arch == "gemma3" and window:
-        # Gemma 3: every 6th layer is global attention (sliding_window_pattern = 6)
-        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
-    else:
-        types = ["full_attention"] * n
+    entry = archs.for_gguf(arch)
+    types = entry.gguf_layer_types(n, window) if entry.gguf_layer_types else ["full_attention"] * n
     vocab = g("vocab_size") or m.get("tokenizer.ggml.tokens")
     return Geometry(
-        arch=archs.for_gguf(arch).model_type, hidden_size=hidden, intermediate_size=g("feed_forward_length"), num_layers=n,
+        arch=entry.model_type, hidden_size=hidden, intermediate_size=g("feed_forward_length"), num_layers=n,
         num_heads=heads, num_kv_heads=g("attention.head_count_kv", heads), head_dim=head_dim,
         vocab_size=vocab, layer_types=types, sliding_window=window if window else None,
         max_position_embeddings=g("context_length"),

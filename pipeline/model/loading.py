@@ -9,9 +9,9 @@ from pipeline.abi import DTYPES
 from pipeline.model import archs
 
 
-def load_hf_model(model_dir: Path, dtype: str = "fp32", exportable: bool = False) -> nn.Module:
+def load_hf_model(model_dir: Path, dtype: str = "fp32") -> nn.Module:
     """The model with HF's own modules and its entry's reference attention (sdpa, or eager where HF has no sdpa
-    path); `exportable`: with the rewrites that make it export (pipeline/model/exportable.py)."""
+    path); pipeline/model/layers/exportable.py's make_exportable adds the rewrites that make it export."""
     from transformers import AutoConfig, AutoModelForCausalLM
     arch = archs.lookup(AutoConfig.from_pretrained(model_dir).get_text_config().model_type)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype],
@@ -21,7 +21,4 @@ def load_hf_model(model_dir: Path, dtype: str = "fp32", exportable: bool = False
         # an embedding with padding_idx lowers to an op without an out variant once quantized
         if isinstance(m, nn.Embedding):
             m.padding_idx = None
-    if exportable:
-        from pipeline.model.exportable import make_exportable
-        make_exportable(model)
     return model

@@ -2,9 +2,9 @@
 
 A Hydra callback (conf/config.yaml, hydra.callbacks.sweep_report) that reads every job's manifest in the
 sweep directory and writes report.md, report.csv, report.json and report.png (pte size vs C++ decode
-tok/s, KLD against float as colour) next to them. Also usable on an existing sweep (pipeline/sweep_report.py):
+tok/s, KLD against float as colour) next to them. Also usable on an existing sweep (pipeline/commands/sweep_report.py):
 
-    python -m pipeline.sweep_report outputs/sweeps/20261129-120000
+    python -m pipeline sweep_report outputs/sweeps/20261129-120000
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline import abi
-from pipeline.model.kv_layout import LayerSpec
-from pipeline.model.offgraph_cache import DEFAULT_INITIAL_CAPACITY, run_step
+from pipeline.model.kv.layout import LayerSpec
+from pipeline.model.kv.runtime_cache import DEFAULT_INITIAL_CAPACITY, run_step
 
 
 class Unsupported(RuntimeError):

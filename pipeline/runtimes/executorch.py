@@ -5,7 +5,8 @@ import importlib.metadata as md
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.runtimes.native_cache import NativeOffgraphCache, load_native_kernels
+from pipeline.ops import load_native_kernels
+from pipeline.runtimes.native_cache import NativeOffgraphCache
 
 Cache = NativeOffgraphCache  # off-graph programs reach the C++ cache, as in the C++ runners
 

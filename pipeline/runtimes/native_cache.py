@@ -8,56 +8,9 @@ from typing import Sequence
 import torch
 
 from pipeline.abi import SCALAR_TYPE_CODES
-from pipeline.model.kv_layout import LayerSpec
-from pipeline.model.offgraph_cache import DEFAULT_INITIAL_CAPACITY, OffgraphCacheError
-
-_NATIVE_LIB = None
-
-
-def load_native_kernels(path=None):
-    """Loads libllmpipe_ops.so with RTLD_GLOBAL (registers every llmpipe:: kernel in the Python runtime's
-    libexecutorch) and returns the ctypes handle. Idempotent. A bad LLMPIPE_ISA raises, naming the paths."""
-    global _NATIVE_LIB
-    if _NATIVE_LIB is not None:
-        return _NATIVE_LIB
-    import ctypes
-    if path is None:
-        from pipeline.native import kernels_library_path
-        path = kernels_library_path()
-    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    vp, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    p64 = ctypes.POINTER(ctypes.c_int64)
-    lib.llmpipe_cache_create.restype = vp
-    lib.llmpipe_cache_create.argtypes = [c_int, p64, p64, p64, p64, i64, i64, i64, c_int]
-    for name, res, args in [("llmpipe_cache_destroy", None, [vp]), ("llmpipe_cache_bind", None, [vp]),
-                            ("llmpipe_cache_check_step", c_int, [vp, i64, i64]),
-                            ("llmpipe_cache_commit", None, [vp, i64, i64]),
-                            ("llmpipe_cache_rewind", c_int, [vp, i64]),
-                            ("llmpipe_cache_snapshot", vp, [vp, vp]), ("llmpipe_cache_restore", c_int, [vp, vp]),
-                            ("llmpipe_snapshot_free", None, [vp]),
-                            ("llmpipe_cache_reset", None, [vp]), ("llmpipe_cache_length", i64, [vp]),
-                            ("llmpipe_cache_allocated", i64, [vp, c_int]),
-                            ("llmpipe_cache_describe", ctypes.c_char_p, [vp]),
-                            ("llmpipe_cache_set_shared", None, [vp, i64]), ("llmpipe_cache_bytes", i64, [vp]),
-                            ("llmpipe_cache_set_states", c_int, [vp, c_int, p64]),
-                            ("llmpipe_back_with_huge_pages", i64, [i64]),
-                            ("llmpipe_last_error", ctypes.c_char_p, []), ("llmpipe_isa", ctypes.c_char_p, []),
-                            ("llmpipe_isa_problem", ctypes.c_char_p, []),
-                            ("llmpipe_isa_describe", ctypes.c_char_p, [])]:
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = res, args
-    problem = lib.llmpipe_isa_problem().decode()
-    if problem:
-        raise RuntimeError(f"native kernels: {problem}")
-    _NATIVE_LIB = lib
-    return lib
-
-
-def back_with_huge_pages(min_bytes: int = 4 << 20) -> int:
-    """The C++ runners' --huge-pages in this process (native/src/runtime/huge_pages.h): its large anonymous
-    mappings (XNNPACK's packed weights, the KV cache) collapsed onto 2 MiB pages. Returns the bytes now on them."""
-    return int(load_native_kernels().llmpipe_back_with_huge_pages(int(min_bytes)))
-
+from pipeline.ops import load_native_kernels
+from pipeline.model.kv.layout import LayerSpec
+from pipeline.model.kv.runtime_cache import DEFAULT_INITIAL_CAPACITY, OffgraphCacheError
 
 class NativeOffgraphCache:
     """The C++ OffgraphKvCache (native/src/kernels/offgraph_cache.h), driven from Python."""

@@ -5,8 +5,8 @@ quantize stage, so a sweep over schemes reuses it.
 
 Over the calibration text (bench/corpus/calibration.txt, which nothing scores): the activation maxima smoothing
 divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n, taken on the
-smoothed model (pipeline/model/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme the
-backend offers (pipeline/model/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may
+smoothed model (pipeline/model/quant/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme the
+backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may
 be empty) and calibration.json.
 """
 from __future__ import annotations
@@ -40,18 +40,6 @@ def needed(q) -> bool:
     return q.smoothing is not None or v(q.algorithm) == "gptq" or q.target_bpw is not None
 
 
-def planned_linears(model, q) -> list[str]:
-    """The linears quantize.target_bpw gives schemes to: every linear but the lm_head, those an override pins and those
-    whose role stays float (allocate.pinned_scheme)."""
-    from torch import nn
-
-    from pipeline.model.allocate import pinned_scheme
-    from pipeline.model.quantization import linear_roles
-    roles, head = linear_roles(model), model.get_output_embeddings()
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head
-            and pinned_scheme(q, n, roles.get(n)) is None]
-
-
 def run(ctx) -> dict:
     q = ctx.cfg.quantize
     report = {"smoothing": q.smoothing, "algorithm": v(q.algorithm), "calibration_tokens": 0, "hessians": 0}
@@ -60,27 +48,31 @@ def run(ctx) -> dict:
         from transformers import AutoTokenizer
 
         from pipeline.fidelity import calibration_ids
+        from pipeline.model.layers.exportable import make_exportable
         from pipeline.model.loading import load_hf_model
-        from pipeline.model.smoothing import activation_maxima, smooth
+        from pipeline.model.quant.smoothing import activation_maxima, smooth
         model_dir = ctx.inputs["download"] / "model"
         sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
         report["calibration_tokens"] = sum(map(len, sequences))
-        model = load_hf_model(model_dir, exportable=True)
+        model = load_hf_model(model_dir)
+        make_exportable(model)
         with torch.no_grad():
             if q.smoothing is not None:
                 with spinner("calibrate: activation maxima", ctx.progress):
                     maxima = activation_maxima(model, sequences)
                 smooth(model, maxima, q.smoothing)
             if v(q.algorithm) == "gptq":
-                from pipeline.model.gptq import hessians as measure
+                from pipeline.model.quant.gptq import hessians as measure
                 with spinner("calibrate: Hessians", ctx.progress):
                     hessians = measure(model, sequences)
             if q.target_bpw is not None:
-                from pipeline.model.allocate import CANDIDATES, sensitivities
+                from pipeline.backends import BACKENDS
+                from pipeline.model.quant.allocate import planned, sensitivities
+                from pipeline.model.quant.apply import linear_roles
                 algorithm = "hqq" if v(q.algorithm) == "gptq" else v(q.algorithm)  # GPTQ per trial would be slow
                 with spinner("calibrate: each linear's KLD cost at each scheme", ctx.progress):
-                    sensitivity = sensitivities(model, sequences, planned_linears(model, q),
-                                                CANDIDATES[v(ctx.cfg.backend.name)], algorithm)
+                    sensitivity = sensitivities(model, sequences, planned(model, q, linear_roles(model)),
+                                                BACKENDS[ctx.cfg.backend.name].PLAN_CANDIDATES, algorithm)
         report["hessians"], report["sensitivity_linears"] = len(hessians), len(sensitivity)
     write_streaming(ctx.out / "calibration.pt", lambda f: torch.save(
         {"maxima": maxima, "hessians": hessians, "sensitivity": sensitivity}, f))

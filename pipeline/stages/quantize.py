@@ -1,10 +1,10 @@
-"""quantize: torchao schemes for linears, the lm_head and embeddings (pipeline/model/quantization.py).
+"""quantize: torchao schemes for linears, the lm_head and embeddings (pipeline/model/quant/apply.py).
 
     python -m pipeline recipe=tiny_llama_xnnpack_8da4w
     python -m pipeline recipe=smollm2_xnnpack quantize=8da4w quantize.algorithm=hqq
 
-With quantize.smoothing, activation outliers are moved into the weights first (pipeline/model/smoothing.py); with
-quantize.algorithm=gptq the int linears are rounded by GPTQ (pipeline/model/gptq.py). Both read what the calibrate
+With quantize.smoothing, activation outliers are moved into the weights first (pipeline/model/quant/smoothing.py); with
+quantize.algorithm=gptq the int linears are rounded by GPTQ (pipeline/model/quant/gptq.py). Both read what the calibrate
 stage measured. Writes module.pt (the quantized eager module) and quantize.json (what was quantized, how).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 
 from pipeline.backends import BACKENDS
 from pipeline.config import v
-from pipeline.model.quantization import quantize_module
-from pipeline.model.source_grid import SourceGrid
+from pipeline.model.quant.apply import quantize_module
+from pipeline.model.quant.source_grid import SourceGrid
 from pipeline.report.progress import spinner
 from pipeline.stages.download import SOURCE_GGUF
 from pipeline.store.files import write_streaming
@@ -34,20 +34,18 @@ def run(ctx) -> dict:
     calibration = torch.load(ctx.inputs["calibrate"] / "calibration.pt", weights_only=True)
     smoothing = None
     if q.smoothing is not None:
-        from pipeline.model.smoothing import smooth
+        from pipeline.model.quant.smoothing import smooth
         smoothing = {"alpha": q.smoothing, "linears": smooth(module.model, calibration["maxima"], q.smoothing)}
     plan = None
     if q.target_bpw is not None:
-        from omegaconf import OmegaConf
-
-        from pipeline.model import allocate
-        plan = allocate.plan_for(module.model, q, calibration["sensitivity"], v(ctx.cfg.backend.name))
-        base = (v(q.linear), q.linear_group_size)
-        q = OmegaConf.merge(q, {"overrides": [*OmegaConf.to_container(q.overrides), *allocate.overrides(plan, base)]})
-        plan["recipe"] = allocate.snippet(plan, base)
+        from pipeline.model.quant import allocate
+        from pipeline.model.quant.apply import linear_roles
+        plan = allocate.plan_for(module.model, q, calibration["sensitivity"], linear_roles(module.model),
+                                 BACKENDS[ctx.cfg.backend.name])
+        plan["recipe"] = allocate.snippet(plan, (v(q.linear), q.linear_group_size))
     with spinner("quantize", ctx.progress), torch.no_grad():
         report = quantize_module(module, q, source, BACKENDS[ctx.cfg.backend.name].ASYMMETRIC_WEIGHTS,
-                                 calibration["hessians"] or None)
+                                 calibration["hessians"] or None, plan and plan["linears"])
     report["smoothing"] = smoothing
     report["plan"] = plan
     write_streaming(ctx.out / "module.pt", lambda f: torch.save(module, f))

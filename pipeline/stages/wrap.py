@@ -15,7 +15,7 @@ from pipeline.abi import DTYPES
 from pipeline.config import v
 from pipeline.backends import logits_mode as resolve_logits_mode
 from pipeline.model.cache_modes import flags, wrap
-from pipeline.model.exportable import make_exportable
+from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence

@@ -1,4 +1,4 @@
-"""gc for a remote store (`python -m pipeline.gc --store-url URL`): the local store's retention rules
+"""gc for a remote store (`python -m pipeline gc --store-url URL`): the local store's retention rules
 (pipeline/store/gc.py) applied to the remote layout (pipeline/store/remote.py).
 
 Removed: entries built by other code or other tool versions, entries whose inputs are removed, entry.json files that

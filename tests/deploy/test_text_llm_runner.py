@@ -93,7 +93,7 @@ def test_what_text_llm_runner_cannot_drive_is_named_with_its_runners():
     og = build("tiny_llama_offgraph", VOCAB, "verify.enabled=false")
     r = og["deploy"]["runners"]
     assert not r["text_llm_runner"] and "cache.mode=offgraph" in r["text_llm_runner_why"]
-    assert r["runners"] == ["python -m pipeline.generate", "llm_runner", "llm_batched_runner"]
+    assert r["runners"] == ["python -m pipeline generate", "llm_runner", "llm_batched_runner"]
     sel = build("tiny_llama_custom", VOCAB, "verify.enabled=false", "export.logits_mode=selected")
     r = sel["deploy"]["runners"]
     assert not r["text_llm_runner"] and "third input" in r["text_llm_runner_why"]

@@ -13,6 +13,7 @@ from pipeline.exporters.native import MATMUL_OPS
 from tests.helpers import build_cli, stage_path
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+ROTATE_EACH_TEST = True  # four builds of their own: four heavy units of the slow tier's rotation
 
 BUILDS = {
     "smollm2 xnnpack 8da4w": (("smollm2_custom", "export.dtype=bf16"), "dynamic"),

@@ -1,4 +1,4 @@
-"""Every supported cell of the support table (python -m pipeline.archs) built and verified on a tiny random model of
+"""Every supported cell of the support table (python -m pipeline support) built and verified on a tiny random model of
 its family: fp32 under the exact gate and the backend's default quantization under its gate, through the whole
 pipeline (wrap, quantize, export, lower, verify); on XNNPACK the C++ runner's tokens equal the Python runtime's, and
 MLX programs run in the interpreter. Sliding-window families are built at a chunk of their window (the fitted
@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline.archs import supported_cells
+from pipeline.support import supported_cells
 from pipeline.config import Thresholds
 from pipeline.model import archs
 from tests.helpers import compose_cfg
 from tests.model.test_archs import tiny_overrides
 
+# each slow cell is a tiny build of its own: the slow tier's rotation takes them one by one (tests/rotation.py)
+ROTATE_EACH_TEST = True
 # quantize: none (fp32, the exact gate) or the backend's default (quantize/default_<backend>.yaml)
 SCHEMES = ("fp32", "default")
 # one family of each new kind, in the CI tier: (model_type, backend, cache mode, scheme)

@@ -46,9 +46,9 @@ def test_rerun_is_all_cache_hits(smollm2_default):
 
 
 def test_the_python_runner_answers_paris_with_the_cpp_runners_tokens(smollm2_default):
-    """`python -m pipeline.generate` on the default program: the chat template the model ships, greedy, streamed."""
+    """`python -m pipeline generate` on the default program: the chat template the model ships, greedy, streamed."""
     m = smollm2_default
-    r = subprocess.run([sys.executable, "-m", "pipeline.generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
+    r = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
                         "--prompt", "What is the capital of France?", "--max-new-tokens", "24"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -111,7 +111,7 @@ def test_speculation_keeps_the_default_programs_greedy_tokens(smollm2_default):
     cpp = json.loads(next(ln for ln in r.stderr.splitlines() if ln.startswith("STATS_JSON: ")).split(": ", 1)[1])
     spec = cpp["speculation"]
     assert spec["identical"] is True and 0 < spec["accepted"] < spec["drafted"], spec
-    py = subprocess.run([sys.executable, "-m", "pipeline.generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
+    py = subprocess.run([sys.executable, "-m", "pipeline", "generate", "--pte", m["pte"], "--model-dir", m["model_dir"],
                          "--prompt", text, "--max-new-tokens", "64", "--speculate", "ngram", "--compare-plain"],
                         capture_output=True, text=True, timeout=600)
     assert py.returncode == 0, py.stderr[-3000:]

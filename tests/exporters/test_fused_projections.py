@@ -1,4 +1,4 @@
-"""export.fuse_projections (pipeline/model/fused_projections.py, pipeline/backends/xnnpack/dynamic_slice.py):
+"""export.fuse_projections (pipeline/model/layers/fused_projections.py, pipeline/backends/xnnpack/dynamic_slice.py):
 q/k/v and gate/up run as one linear each, and the program computes the same bits with fewer operators.
 
 - a fused build's program gives the unfused build's logits bit for bit, over prefill chunks and decode steps, with
@@ -58,7 +58,7 @@ def test_a_fused_program_gives_the_unfused_bits(recipe, overrides, layers):
 
 def _tiny_quantized(arch: str, *overrides: str):
     from pipeline.model.cache_modes import wrap
-    from pipeline.model.quantization import quantize_module
+    from pipeline.model.quant.apply import quantize_module
     from tests.model.test_offgraph import tiny_gemma3
     cfg = compose_cfg("recipe=tiny_llama_custom", *overrides)
     model = tiny_gemma3() if arch == "gemma3" else _tiny_llama()
@@ -77,7 +77,7 @@ def _tiny_llama():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("quantize", ["none", "8da4w"])
 def test_the_eager_module_computes_what_it_did(arch, quantize):
-    from pipeline.model.fused_projections import ProjectionSlice, fuse_projections
+    from pipeline.model.layers.fused_projections import ProjectionSlice, fuse_projections
     module = _tiny_quantized(arch, f"quantize={quantize}")
     tokens, positions = torch.tensor([[1, 7, 9, 30, 2]]), torch.arange(5)
     with torch.no_grad():
@@ -94,7 +94,7 @@ def test_the_eager_module_computes_what_it_did(arch, quantize):
 
 def test_siblings_of_different_quantization_are_kept_apart():
     """An override that gives v_proj 8 bits leaves q/k/v as they were; gate/up (both 8da4w) are still fused."""
-    from pipeline.model.fused_projections import fuse_projections
+    from pipeline.model.layers.fused_projections import fuse_projections
     module = _tiny_quantized("llama", "quantize=8da4w",
                              "+quantize.overrides=[{pattern: '*.v_proj', scheme: 8da8w, group_size: 0}]")
     report = fuse_projections(module.model)

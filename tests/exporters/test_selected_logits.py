@@ -37,7 +37,7 @@ def test_selected_program_returns_the_rows_asked(selected_build):
     asked all at once (bit for bit), and the eager wrapper's (XNNPACK's fp32 differs from eager by ~1e-3, as
     verify measures)."""
     from pipeline.model.cache_modes.offgraph import OffgraphLM
-    from pipeline.model.offgraph_cache import run_step
+    from pipeline.model.kv.runtime_cache import run_step
     from pipeline.runtimes import RUNTIMES
     from pipeline.runtimes.base import RunnerProgram
     m = selected_build

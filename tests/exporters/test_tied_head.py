@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.model.tied_head import TiedHead, rounding_bound, tied_head_int_ref, tied_head_ref
-from pipeline.runtimes.native_cache import load_native_kernels
+from pipeline.model.layers.tied_head import TiedHead, rounding_bound, tied_head_int_ref, tied_head_ref
+from pipeline.ops import load_native_kernels
 from tests.helpers import build, stage_path
 
 

@@ -14,10 +14,10 @@ from torch import nn
 
 from pipeline import memory_estimate, preflight
 from pipeline.config import v
-from pipeline.archs import readme_with_table
+from pipeline.support import readme_with_table
 from pipeline.model import archs, sources
 from pipeline.model.cache_modes import CACHE_MODES, wrap
-from pipeline.model.exportable import make_exportable
+from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.geometry import from_config
 from pipeline.paths import ROOT
 from pipeline.stages.wrap import compare, hf_reference
@@ -97,8 +97,8 @@ def test_every_mode_matches_hf_past_the_window(model_type, mode):
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_smoothing_and_fusing_keep_the_float_function(model_type):
-    from pipeline.model.fused_projections import fuse_projections
-    from pipeline.model.smoothing import activation_maxima, smooth
+    from pipeline.model.layers.fused_projections import fuse_projections
+    from pipeline.model.quant.smoothing import activation_maxima, smooth
     model = tiny_model(model_type)
     make_exportable(model)
     ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -116,7 +116,7 @@ def test_smoothing_and_fusing_keep_the_float_function(model_type):
 
 @pytest.mark.parametrize("model_type", [t for t in sorted(archs.ARCHS) if archs.ARCHS[t].experts is not None])
 def test_a_token_runs_only_its_top_k_experts(model_type):
-    from pipeline.model.experts import ExpertBank, PackedExperts
+    from pipeline.model.layers.experts import ExpertBank, PackedExperts
     model = tiny_model(model_type)
     make_exportable(model)
     bank = next(m for m in model.modules() if isinstance(m, ExpertBank))
@@ -138,7 +138,7 @@ def test_a_token_runs_only_its_top_k_experts(model_type):
 def test_sinks_twin_is_hf_eager():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from pipeline.model.attention import attend_gathered
+    from pipeline.model.layers.attention import attend_gathered
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16,
                                                                                                          generator=g)
@@ -153,7 +153,7 @@ def test_sinks_twin_is_hf_eager():
 def test_role_overrides_name_each_architectures_linears():
     """The default's `role: down` takes the MLP's and every expert's down projection; `k` or `v` takes a fused qkv
     (the default's k and v overrides fit phi3); a role the architecture does not have is refused with its roles."""
-    from pipeline.model.quantization import override_matches
+    from pipeline.model.quant.resolve import override_matches
     g = from_config(tiny_config("qwen3_moe"))
     downs = [n for n, (_, _, r) in g.linear_specs().items() if r == "down"]
     assert len(downs) == 4 * 8 and all(n.endswith("experts.%s.down_proj" % n.split(".")[-2]) for n in downs)
@@ -184,4 +184,4 @@ def test_a_model_type_outside_the_registry_is_refused_before_any_work(tmp_path, 
 
 def test_the_readme_table_is_the_registry_s():
     readme = (ROOT / "README.md").read_text()
-    assert readme_with_table(readme) == readme, "run: python -m pipeline.archs --write-readme"
+    assert readme_with_table(readme) == readme, "run: python -m pipeline support --write-readme"

@@ -8,7 +8,7 @@ import torch
 
 from pipeline.model.cache_modes import CACHE_MODES, wrap
 from pipeline.model.cache_modes import custom as cc
-from pipeline.runtimes.native_cache import load_native_kernels
+from pipeline.ops import load_native_kernels
 
 from tests.model.test_offgraph import feed, qkv, sdpa_reference, tiny_gemma3, tiny_llama
 

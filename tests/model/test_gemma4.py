@@ -13,8 +13,8 @@ from pipeline.model.cache_modes import wrap
 from pipeline.model.cache_modes import offgraph as og
 from pipeline.model.checkpoint import keep_text_model
 from pipeline.model.geometry import from_config_json, from_hf_config
-from pipeline.model.kv_layout import cache_layout
-from pipeline.model.offgraph_cache import OffgraphCache
+from pipeline.model.kv.layout import cache_layout
+from pipeline.model.kv.runtime_cache import OffgraphCache
 from pipeline.stages.wrap import self_check
 from tests.helpers import compose_cfg
 

@@ -1,4 +1,4 @@
-"""GPTQ (pipeline/model/gptq.py) and the target-bits allocator (pipeline/model/allocate.py): eager, on synthetic weights
+"""GPTQ (pipeline/model/quant/gptq.py) and the target-bits allocator (pipeline/model/quant/allocate.py): eager, on synthetic weights
 and a tiny random Llama, in seconds."""
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import json
 import pytest
 import torch
 
-from pipeline.model.allocate import allocate, file_bits, overrides, snippet
-from pipeline.model.gptq import gptq, hessians
+from pipeline.backends import BACKENDS
+from pipeline.model.quant.allocate import allocate, file_bits, overrides, snippet
+from pipeline.model.quant.gptq import gptq, hessians
+from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from tests.helpers import build, stage_path
 
@@ -39,7 +41,8 @@ def test_gptq_loses_less_on_the_calibration_inputs_than_rounding(bits, group):
 
 def test_linears_reading_one_input_share_one_hessian():
     m = build("tiny_llama_xnnpack", stages=("download",))
-    model = load_hf_model(m["model_dir"], exportable=True)
+    model = load_hf_model(m["model_dir"])
+    make_exportable(model)
     h = hessians(model, [list(range(1, 40)), list(range(50, 90))])
     attn = "model.layers.0.self_attn"
     assert h[f"{attn}.q_proj"] is h[f"{attn}.k_proj"] is h[f"{attn}.v_proj"]
@@ -54,19 +57,19 @@ def test_the_allocator_buys_the_most_kld_per_bit_within_the_target():
     costs = {"a": {"8da4w g32": 0.10, "8da8w g0": 0.01},   # saves 0.09
              "b": {"8da4w g32": 0.02, "8da8w g0": 0.01},   # saves 0.01
              "c": {"8da4w g32": 0.05, "8da8w g0": 0.00}}   # saves 0.05
-    four, eight = (file_bits(s, g, 64, "xnnpack") * 640 for s, g in (("8da4w", 32), ("8da8w", 0)))
+    four, eight = (file_bits(s, g, 64, BACKENDS["xnnpack"]) * 640 for s, g in (("8da4w", 32), ("8da8w", 0)))
     params = 3 * 640
     # room for exactly one upgrade: a's
-    plan = allocate(costs, shapes, 0.0, params, (3 * four + (eight - four) * 1.5) / params, "xnnpack")
+    plan = allocate(costs, shapes, 0.0, params, (3 * four + (eight - four) * 1.5) / params, BACKENDS["xnnpack"])
     assert {n: p["scheme"] for n, p in plan["linears"].items()} == {"a": "8da8w", "b": "8da4w", "c": "8da4w"}
     assert plan["predicted_kld"] == pytest.approx(0.01 + 0.02 + 0.05)
     assert plan["predicted_bpw"] <= plan["target_bpw"]
     assert overrides(plan, ("8da4w", 32)) == [{"pattern": "a", "scheme": "8da8w", "group_size": 0}]
     assert "pattern: 'a', scheme: 8da8w" in snippet(plan, ("8da4w", 32))
-    everything = allocate(costs, shapes, 0.0, params, 9.0, "xnnpack")
+    everything = allocate(costs, shapes, 0.0, params, 9.0, BACKENDS["xnnpack"])
     assert everything["by_scheme"] == {"8da8w g0": 3}
     with pytest.raises(ValueError, match="target_bpw=3.0"):
-        allocate(costs, shapes, 0.0, params, 3.0, "xnnpack")
+        allocate(costs, shapes, 0.0, params, 3.0, BACKENDS["xnnpack"])
 
 
 def test_a_target_build_records_its_plan_and_builds_it():
@@ -84,10 +87,11 @@ def test_a_target_build_records_its_plan_and_builds_it():
 def test_a_trial_replays_the_layers_before_its_linear_exactly():
     """The sensitivity pass replays the float outputs of the layers before a linear's own: the same KLD as a whole
     forward with that linear quantized."""
-    from pipeline.model.allocate import TOKENS, _kld, sensitivities
-    from pipeline.model.quantization import quantize_one, torchao_config
+    from pipeline.model.quant.allocate import TOKENS, _kld, sensitivities
+    from pipeline.model.quant.apply import quantize_one, torchao_config
     m = build("tiny_llama_xnnpack", stages=("download",))
-    model = load_hf_model(m["model_dir"], exportable=True)
+    model = load_hf_model(m["model_dir"])
+    make_exportable(model)
     seqs = [list(range(1, 200)), list(range(200, 400))]
     name = "model.layers.1.mlp.up_proj"
     got = sensitivities(model, seqs, [name], [("8da4w", 32)], "minmax")[name]["8da4w g32"]

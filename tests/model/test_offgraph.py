@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from pipeline.model.cache_modes import CACHE_MODES, wrap
 from pipeline.model.cache_modes import offgraph as og
-from pipeline.model.kv_layout import LayerSpec, cache_layout
-from pipeline.model.offgraph_cache import OffgraphCache, OffgraphCacheError, bind, bound
+from pipeline.model.kv.layout import LayerSpec, cache_layout
+from pipeline.model.kv.runtime_cache import OffgraphCache, OffgraphCacheError, bind, bound
 
 TOL = 1e-4
 

@@ -8,7 +8,8 @@ from torch import nn
 
 from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
-from pipeline.model.quantization import dynamic_activations, linear_plan, quantize_module
+from pipeline.model.quant.apply import linear_plan, quantize_module
+from pipeline.model.quant.resolve import dynamic_activations
 from pipeline.runtimes.base import run_sequence
 from pipeline.stages.verify import gate_of
 from tests.helpers import build, compose_cfg
@@ -108,19 +109,19 @@ def test_large_weights_quantized_in_row_slices_equal_one_piece(monkeypatch, sche
     same torchao tensor, field for field, and the same outputs, as quantizing it whole."""
     from torchao.quantization import quantize_
 
-    from pipeline.model import quantization
+    from pipeline.model.quant import apply
     torch.manual_seed(0)
     sliced, whole = nn.Module(), nn.Module()
     for m in (sliced, whole):
         m.embed, m.proj = nn.Embedding(1000, 64), nn.Linear(64, 1500, bias=True)
     whole.load_state_dict(sliced.state_dict())
-    monkeypatch.setattr(quantization, "CHUNK_ELEMENTS", 64 * 96)  # slices of 96 rows, the last one short
-    slices, same_kind = [], quantization._same_kind
-    monkeypatch.setattr(quantization, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
-    config = quantization.torchao_config(scheme, group, algorithm)
-    embed_config = quantization.torchao_config("8w" if scheme.startswith("8") else "4w", group, algorithm)
+    monkeypatch.setattr(apply, "CHUNK_ELEMENTS", 64 * 96)  # slices of 96 rows, the last one short
+    slices, same_kind = [], apply._same_kind
+    monkeypatch.setattr(apply, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
+    config = apply.torchao_config(scheme, group, algorithm)
+    embed_config = apply.torchao_config("8w" if scheme.startswith("8") else "4w", group, algorithm)
     for name, c in (("embed", embed_config), ("proj", config)):
-        quantization.quantize_one(sliced, name, c)
+        apply.quantize_one(sliced, name, c)
         quantize_(whole, c, filter_fn=lambda m, fqn: fqn == name)
     assert slices == [96] * 10 + [40] + [96] * 15 + [60]
     for name in ("embed", "proj"):
@@ -135,17 +136,17 @@ def test_a_layout_that_is_not_row_local_is_quantized_whole_after_one_slice(monke
     """nvfp4's tensor is not torchao's int8-unpacked layout: the first slice shows it, the weight is quantized whole."""
     from torchao.quantization import quantize_
 
-    from pipeline.model import quantization
+    from pipeline.model.quant import apply
     torch.manual_seed(0)
     sliced, whole = nn.Module(), nn.Module()
     for m in (sliced, whole):
         m.proj = nn.Linear(64, 1504, bias=False)
     whole.load_state_dict(sliced.state_dict())
-    monkeypatch.setattr(quantization, "CHUNK_ELEMENTS", 64 * 96)
-    slices, same_kind = [], quantization._same_kind
-    monkeypatch.setattr(quantization, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
-    config = quantization.torchao_config("nvfp4", 16)
-    quantization.quantize_one(sliced, "proj", config)
+    monkeypatch.setattr(apply, "CHUNK_ELEMENTS", 64 * 96)
+    slices, same_kind = [], apply._same_kind
+    monkeypatch.setattr(apply, "_same_kind", lambda m, w: slices.append(w.shape[0]) or same_kind(m, w))
+    config = apply.torchao_config("nvfp4", 16)
+    apply.quantize_one(sliced, "proj", config)
     quantize_(whole, config, filter_fn=lambda m, fqn: fqn == "proj")
     assert slices == [96] and type(sliced.proj.weight) is type(whole.proj.weight)
     x = torch.randn(3, 64)

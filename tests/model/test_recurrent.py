@@ -1,4 +1,4 @@
-"""Recurrent layers (pipeline/model/recurrent.py) on tiny Qwen3.5, Qwen3-Next and LFM2 models: each cache mode's
+"""Recurrent layers (pipeline/model/layers/recurrent.py) on tiny Qwen3.5, Qwen3-Next and LFM2 models: each cache mode's
 wrapper against HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the
 default's; a step at 0 starts over; the HF model called alone leaves the state as it was; a step back is refused; the
 program's published layer kinds; what preflight refuses; Qwen3-Next's fused projections split at load, and its
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pipeline import preflight
-from pipeline.model import recurrent
+from pipeline.model.layers import recurrent
 from pipeline.model.cache_modes import wrap
-from pipeline.model.exportable import make_exportable
+from pipeline.model.layers.exportable import make_exportable
 from tests.helpers import compose_cfg
 from tests.model.test_archs import tiny_model, tiny_overrides
 
@@ -120,7 +120,7 @@ def test_qwen3_next_s_fused_projections_split_without_moving_the_logits():
 
 
 def test_the_shared_experts_gate_stays_float_unless_an_override_names_it():
-    from pipeline.model.quantization import linear_plan
+    from pipeline.model.quant.apply import linear_plan
     model = tiny_model("qwen3_next")
     make_exportable(model)
     gates = {f"model.layers.{i}.mlp.shared_expert_gate" for i in (0, 2, 3)}  # layer 1 is dense

@@ -1,13 +1,13 @@
 """Eager torchao embeddings that dequantize only the gathered rows give torchao's own values
-(pipeline/model/row_embedding.py), in every scheme and group an embedding takes."""
+(pipeline/model/layers/row_embedding.py), in every scheme and group an embedding takes."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from pipeline.model.quantization import torchao_config
-from pipeline.model.row_embedding import rows_only
+from pipeline.model.quant.apply import torchao_config
+from pipeline.model.layers.row_embedding import rows_only
 
 
 @pytest.mark.parametrize("scheme,group", [("8w", 32), ("8w", 0), ("4w", 32), ("4w", 64)])

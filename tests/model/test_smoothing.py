@@ -8,8 +8,8 @@ import torch
 
 from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
-from pipeline.model.quantization import quantize_module
-from pipeline.model.smoothing import activation_maxima, smooth
+from pipeline.model.quant.apply import quantize_module
+from pipeline.model.quant.smoothing import activation_maxima, smooth
 from pipeline.preflight import ConfigError, check
 from tests.helpers import build, compose_cfg
 

@@ -10,8 +10,8 @@ from torch import nn
 from pipeline.backends import BACKENDS
 from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
-from pipeline.model.quantization import quantize_module
-from pipeline.model.source_grid import SourceGrid
+from pipeline.model.quant.apply import quantize_module
+from pipeline.model.quant.source_grid import SourceGrid
 from pipeline.stages.download import SOURCE_GGUF
 from tests.helpers import compose_cfg
 

@@ -8,7 +8,7 @@ from torch import nn
 from pipeline.model.cache_modes import wrap
 from pipeline.model.loading import load_hf_model
 from pipeline.runtimes.base import run_sequence
-from pipeline.model.quantization import quantize_module
+from pipeline.model.quant.apply import quantize_module
 from pipeline.stages.wrap import self_check
 from tests.helpers import build, compose_cfg
 

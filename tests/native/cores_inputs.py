@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.model.gated_delta import gated_delta_rule_ref
-from pipeline.model.recurrent import causal_conv_ref
-from pipeline.model.tied_head import tied_head_int_ref
+from pipeline.model.layers.gated_delta import gated_delta_rule_ref
+from pipeline.model.layers.recurrent import causal_conv_ref
+from pipeline.model.layers.tied_head import tied_head_int_ref
 
 TIED = {"T": 3, "D": 4133, "V": 37}  # past two int32 chunks of 2048 columns, every remainder loop
 DELTA = {"T": 70, "Hk": 2, "Hv": 4, "Dk": 16, "Dv": 24, "pos": 5, "scale": 0.25}  # a chunk of 64 and a part

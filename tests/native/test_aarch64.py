@@ -176,11 +176,11 @@ def test_tokenizer_cli_equals_x86s(aarch64, native_bins, tmp_path):
 
 
 def test_cli_path_and_run(aarch64, tmp_path):
-    """python -m pipeline.native path/run --target aarch64: the path; ARGS, stdin, stdout and the exit code pass through."""
+    """python -m pipeline native path/run --target aarch64: the path; ARGS, stdin, stdout and the exit code pass through."""
     from test_tokenizer import _llama3_like
 
     def cli(*args, stdin=None):
-        return subprocess.run([sys.executable, "-m", "pipeline.native", *args], input=stdin, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "pipeline", "native", *args], input=stdin, capture_output=True,
                               text=True, cwd=str(native.NATIVE_DIR.parent), timeout=300)
     assert cli("path", "--target", "aarch64").stdout.strip() == str(aarch64 / "llm_runner")
     ok = cli("run", "--target", "aarch64", "sha256_test")
@@ -273,7 +273,7 @@ def x86_gaps(pte: Path, prompt: list[int], tokens: list[int]) -> list[float]:
     """For each of `tokens` (generated after `prompt` on ARM): x86's top logit minus its logit for that token, x86 (the
     ExecuTorch Python runtime) fed the same history; 0 where the token is x86's own greedy choice."""
     import executorch.kernels.quantized  # noqa: F401  (quantized_decomposed:: kernels for Python)
-    from pipeline.generate import Session, open_for_generation
+    from pipeline.generation.runner import Session, open_for_generation
     gaps = []
 
     def forced(logits):

@@ -1,4 +1,4 @@
-"""llmpipe::experts (native/src/kernels/experts_kernel.cpp) against its Python twin (pipeline/model/experts.py
+"""llmpipe::experts (native/src/kernels/experts_kernel.cpp) against its Python twin (pipeline/model/layers/experts.py
 experts_ref), bit for bit, in the ExecuTorch runtime: every weight form (fp32, 4-bit values two a byte and 8-bit ones,
 in groups or per channel,
 with torchao's dynamic int8 activations or without), both activations, biases, a single decode row and an expert no
@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.model.experts import Expert, ExpertBank, PackedExperts
-from pipeline.runtimes.native_cache import load_native_kernels
+from pipeline.model.layers.experts import Expert, ExpertBank, PackedExperts
+from pipeline.ops import load_native_kernels
 
 H, I, E, K = 64, 96, 8, 2
 

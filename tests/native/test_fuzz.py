@@ -25,6 +25,7 @@ import pte_layout
 # The slow tier (the sanitizer build alone is ~70 s); CI keeps the release runners' checks on damaged programs
 # (test_program_integrity.py)
 pytestmark = pytest.mark.slow
+ROTATION_HEAVY = True  # the sanitizer build: a share of the slow tier's rotation of its own
 
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"

@@ -80,7 +80,7 @@ def test_pte_matches_eager_wrapper(name, og_programs):
 def test_pte_without_bound_cache_fails_cleanly(og_programs):
     from executorch.runtime import Runtime
 
-    from pipeline.runtimes.native_cache import load_native_kernels
+    from pipeline.ops import load_native_kernels
     lib = load_native_kernels()
     lib.llmpipe_cache_bind(None)
     method = Runtime.get().load_program(str(og_programs / "og_llama.pte")).load_method("forward")
@@ -90,8 +90,8 @@ def test_pte_without_bound_cache_fails_cleanly(og_programs):
 
 
 def test_native_cache_policy():
-    from pipeline.model.kv_layout import LayerSpec
-    from pipeline.model.offgraph_cache import OffgraphCacheError
+    from pipeline.model.kv.layout import LayerSpec
+    from pipeline.model.kv.runtime_cache import OffgraphCacheError
     from pipeline.runtimes.native_cache import NativeOffgraphCache
     c = NativeOffgraphCache([LayerSpec(1, 4, 4, window=4), LayerSpec(1, 4, 4)], capacity=50, max_write=4,
                             initial_capacity=3)
@@ -220,9 +220,10 @@ def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
     from executorch.runtime import Runtime
 
     from pipeline.model.cache_modes import offgraph as og
-    from pipeline.model.kv_layout import LayerSpec
-    from pipeline.model.offgraph_cache import OffgraphCache
-    from pipeline.runtimes.native_cache import NativeOffgraphCache, load_native_kernels
+    from pipeline.model.kv.layout import LayerSpec
+    from pipeline.model.kv.runtime_cache import OffgraphCache
+    from pipeline.ops import load_native_kernels
+    from pipeline.runtimes.native_cache import NativeOffgraphCache
     T = torch.export.Dim("T", min=1, max=4)
     ex = (torch.zeros(1, 6, 2, 8, dtype=dtype), torch.zeros(1, 2, 2, 8, dtype=dtype),
           torch.zeros(1, 2, 2, 4, dtype=dtype), torch.arange(2))

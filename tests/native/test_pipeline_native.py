@@ -14,7 +14,7 @@ from pipeline import native
 def test_runner_path_and_cli(native_bins):
     path = native.runner_path(build=True)
     assert path == native_bins[0] and path.exists() and os.access(path, os.X_OK)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.native", "path"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "native", "path"], capture_output=True, text=True,
                           cwd=str(native.NATIVE_DIR.parent), timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(path)

@@ -1,7 +1,7 @@
-"""The recurrent layers' ops. llmpipe::gated_delta_rule: the Python twin (pipeline/model/gated_delta.py) against HF's
+"""The recurrent layers' ops. llmpipe::gated_delta_rule: the Python twin (pipeline/model/layers/gated_delta.py) against HF's
 own gated delta rule, its chunked form against the token-by-token recurrence, and the C++ kernel
 (native/src/kernels/gated_delta_kernel.cpp) in the ExecuTorch runtime against the twin, the state carried in the
-program's buffer across steps of any length. llmpipe::causal_conv (pipeline/model/recurrent.py, its kernel
+program's buffer across steps of any length. llmpipe::causal_conv (pipeline/model/layers/recurrent.py, its kernel
 native/src/kernels/causal_conv_kernel.cpp): in pieces against one causal conv over the whole sequence."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline.model.gated_delta import gated_delta_rule_ref, gated_delta_rule_steps
-from pipeline.model.recurrent import causal_conv_ref
-from pipeline.runtimes.native_cache import load_native_kernels
+from pipeline.model.layers.gated_delta import gated_delta_rule_ref, gated_delta_rule_steps
+from pipeline.model.layers.recurrent import causal_conv_ref
+from pipeline.ops import load_native_kernels
 
 T, HK, HV, DK, DV = 150, 2, 4, 16, 8   # 150 tokens: two full chunks of 64 and a partial one
 SCALE = DK ** -0.5

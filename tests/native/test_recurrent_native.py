@@ -2,7 +2,7 @@
 - llm_runner, in-graph (custom) and off-graph: the [cache] line names each layer's kind, a rewind is refused but to 0
   (the state holds its current position only);
 - llm_batched_runner (both cache kinds) on off-graph LFM2 and Qwen3.5 with a prefill chunk of 8, so prompts take
-  several chunks and sessions share forwards: its tokens equal llm_runner's and python -m pipeline.generate's; the
+  several chunks and sessions share forwards: its tokens equal llm_runner's and python -m pipeline generate's; the
   prefix cache's snapshot resumes at the position its state holds (the prompt less its last token), and an entry
   whose state is elsewhere is refused with the reason, the prompt prefilled in full."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.generation.runner import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
 from tests.e2e.test_families import build_family
 from tests.native.test_batched_runner import KINDS, batched, tokens

@@ -1,6 +1,6 @@
 """llm_runner --speculate ngram: the drafter, budget and acceptance rule (native/build/speculate_test), and on built
 tiny programs in every cache mode: greedy tokens identical to the plain run (--compare-plain) and to python -m
-pipeline.generate's speculative run, rings wrapped (window 16, 56 positions), hybrids' state snapshot and restored;
+pipeline generate's speculative run, rings wrapped (window 16, 56 positions), hybrids' state snapshot and restored;
 what cannot speculate is refused with the reason before any token. (The random tiny models repeat a token, so their
 drafts are mostly kept: rejections at every depth are tests/test_speculate.py's scripted drafter in Python, and the
 real default program's in tests/e2e/test_smollm2.py.)"""
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
-from pipeline.generate import Sampler, Session, open_for_generation
+from pipeline.generation.runner import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
-from pipeline.speculate import Speculation
+from pipeline.generation.speculate import Speculation
 from tests.e2e.test_families import build_family
 from tests.helpers import build
 

@@ -63,7 +63,7 @@ def test_two_sweeps_and_a_gc_at_once_share_one_cache_without_duplicates():
         outputs = [pool.submit(p.communicate, timeout=1800) for p in procs]
         gcs = 0
         while not all(f.done() for f in outputs):  # gc over and over beside them: it must take nothing they need
-            gc = subprocess.run([sys.executable, "-m", "pipeline.gc", "--output-dir", out], cwd=ROOT,
+            gc = subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", out], cwd=ROOT,
                                 capture_output=True, text=True, timeout=300)
             assert gc.returncode == 0, gc.stderr[-2000:]
             gcs += 1

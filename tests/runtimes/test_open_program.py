@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.model.kv_layout import LayerSpec
-from pipeline.model.offgraph_cache import OffgraphCache, OffgraphCacheError, run_step
+from pipeline.model.kv.layout import LayerSpec
+from pipeline.model.kv.runtime_cache import OffgraphCache, OffgraphCacheError, run_step
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
 from pipeline.runtimes.base import RunnerProgram, run_sequence
 from pipeline.runtimes.native_cache import NativeOffgraphCache

@@ -1,4 +1,4 @@
-"""The verify gate fails a deliberately broken program (export.fault, pipeline/model/faults.py) while the same
+"""The verify gate fails a deliberately broken program (export.fault, pipeline/model/layers/faults.py) while the same
 build without the fault passes: tiny random models, each scheme's gate (bench/gate_calibration.py does the same on
 the real models and calibrates the thresholds)."""
 from __future__ import annotations

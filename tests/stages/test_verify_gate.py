@@ -53,7 +53,7 @@ def test_float_noise_is_small_seeded_and_leaves_the_module_alone():
 
     import torch
     from pipeline.model.cache_modes import wrap
-    from pipeline.model.float_noise import float_noise, with_float_noise
+    from pipeline.model.quant.float_noise import float_noise, with_float_noise
     from pipeline.model.loading import load_hf_model
     module = wrap(load_hf_model(build("tiny_llama_xnnpack", stages=("download",))["model_dir"]), "static", 64, "last")
     ids, pos = torch.tensor([[1, 5, 9, 3]]), torch.arange(4)

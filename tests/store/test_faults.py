@@ -152,12 +152,12 @@ def test_gc_verify_hashes_what_the_stamps_let_through(out):
     # damage the filesystem never saw (bit rot): the stamp still matches, so only a full check finds it
     store.stamps.put("wrap", entry.name, integrity.stamps_of(entry, read_manifest(entry)))
     assert store.lookup("wrap", entry.name) == entry
-    fsck = subprocess.run([sys.executable, "-m", "pipeline.gc", "--verify", "--output-dir", out], cwd=ROOT,
+    fsck = subprocess.run([sys.executable, "-m", "pipeline", "gc", "--verify", "--output-dir", out], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert fsck.returncode == 1, fsck.stdout + fsck.stderr
     assert f"quarantined wrap/{entry.name}" in fsck.stdout and "1 damaged" in fsck.stdout
     assert not entry.exists()
-    clean = subprocess.run([sys.executable, "-m", "pipeline.gc", "--verify", "--output-dir", out], cwd=ROOT,
+    clean = subprocess.run([sys.executable, "-m", "pipeline", "gc", "--verify", "--output-dir", out], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0 and " 0 damaged" in clean.stdout, clean.stdout
     again = pipeline(out, "run.until=quantize")
@@ -221,7 +221,7 @@ def test_gc_beside_a_build_removes_nothing_it_needs(out):
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     runs = 0
     while build.poll() is None:
-        gc = subprocess.run([sys.executable, "-m", "pipeline.gc", "--output-dir", out], cwd=ROOT,
+        gc = subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", out], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
         assert gc.returncode == 0, gc.stderr
         runs += 1

@@ -1,4 +1,4 @@
-"""python -m pipeline.gc: entries built by other code (or with their inputs gone) are removed, current ones
+"""python -m pipeline gc: entries built by other code (or with their inputs gone) are removed, current ones
 stay and still serve cache hits; --dry-run removes nothing."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_gc_removes_what_no_build_can_reach():
     # a temp dir of a builder that died
     (cache / "export" / f".tmp-{keys['export']}-1-deadbeef").mkdir()
 
-    gc = lambda *a: subprocess.run([sys.executable, "-m", "pipeline.gc", "--output-dir", OUT, *a], cwd=ROOT,  # noqa: E731
+    gc = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", OUT, *a], cwd=ROOT,  # noqa: E731
                                    capture_output=True, text=True, timeout=300)
     r = gc("--dry-run")
     assert r.returncode == 0, r.stderr
@@ -55,6 +55,6 @@ def test_gc_removes_what_no_build_can_reach():
         assert key in _entries(stage), stage  # current entries stay...
     again = build("tiny_llama_xnnpack", f"run.output_dir={OUT}", "verify.native=false")
     assert all(s["cache"] == "hit" for s in again["stages"])  # ...and still serve the next build
-    assert subprocess.run([sys.executable, "-m", "pipeline.gc", "--output-dir", "/tmp"], cwd=ROOT,
+    assert subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", "/tmp"], cwd=ROOT,
                           capture_output=True, text=True).returncode == 2  # only inside outputs/
     shutil.rmtree(OUTPUTS_ROOT / "test_gc", ignore_errors=True)

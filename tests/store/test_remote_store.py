@@ -199,7 +199,7 @@ def test_gc_on_the_remote_store_applies_the_local_rules(bucket):
     doomed = {(s, why.split(" (")[0]) for s, _, _, why in plan(Remote(url), STAGES, grace_s=0)}
     assert doomed == {("export", "built by other code"), ("lower", "its inputs are removed"),
                       ("verify", "its inputs are removed"), ("wrap", "an upload no entry names")}
-    r = subprocess.run([sys.executable, "-m", "pipeline.gc", "--store-url", url], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "pipeline", "gc", "--store-url", url], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     keys = _keys(bucket)

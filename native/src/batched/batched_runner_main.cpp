@@ -17,9 +17,9 @@
 #include "batched/batched_engine.h"
 #include "runner/cli_common.h"
 #include "runtime/chat_template.h"
-#include "runtime/huge_pages.h"
+#include "platform/huge_pages.h"
 #include "runtime/llm_program.h"
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 

@@ -1,6 +1,6 @@
 // A recurrent layer's short depthwise causal conv over the last K-1 inputs it keeps as its state (Qwen3.5's q|k|v
 // conv, LFM2's short conv): recurrent_core.h's run_conv, and llmpipe::causal_conv.out, the custom and static modes' op
-// over a state buffer of the program, updated in place. Python twin: pipeline/model/recurrent.py.
+// over a state buffer of the program, updated in place. Python twin: pipeline/model/layers/recurrent.py.
 //
 //   x [1,T,C] Float; weight [C,K] Float; bias [C] Float or none; state [K-1,C] Float (zeroed first when position[0]
 //   == 0); position [T] consecutive; activation 0: none, 1: silu; out [1,T,C] Float.

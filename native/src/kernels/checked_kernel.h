@@ -8,7 +8,19 @@
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
+#include <string>
+
 namespace llmrt::kernels {
+
+// An operator refusing its arguments: logs "<op>: <why>", fails the call with `error` and hands back `out`, the out
+// variant's return value (`return refuse(ctx, out, "llmpipe::sdpa", "q must be 4-d")`).
+inline executorch::aten::Tensor& refuse(
+    executorch::runtime::KernelRuntimeContext& ctx, executorch::aten::Tensor& out, const char* op,
+    const std::string& why, executorch::runtime::Error error = executorch::runtime::Error::InvalidArgument) {
+  ET_LOG(Error, "%s: %s", op, why.c_str());
+  ctx.fail(error);
+  return out;
+}
 
 // The boxed kernel: n arguments, or n + 1 with the return value the runtime appends to an out variant's call.
 template <class FuncType>

@@ -24,10 +24,8 @@ using executorch::runtime::KernelRuntimeContext;
 Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                              Tensor& k_cache, Tensor& v_cache, const Tensor& position, int64_t window,
                              double scale, const std::optional<Tensor>& sinks, Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::cached_attention: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::cached_attention", why);
   };
   StepArgs a;
   std::string why;
@@ -61,10 +59,8 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
 Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                           const Tensor& position, int64_t window, double scale, const std::optional<Tensor>& sinks,
                           Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::cached_attend: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::cached_attend", why);
   };
   if (q.dim() != 4 || q.size(0) != 1 || k_cache.dim() != 3 || v_cache.dim() != 3 ||
       v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) || k_cache.size(2) != q.size(3))

@@ -1,4 +1,4 @@
-// llmpipe::experts.out: a mixture-of-experts layer's experts (pipeline/model/experts.py, whose experts_ref is the
+// llmpipe::experts.out: a mixture-of-experts layer's experts (pipeline/model/layers/experts.py, whose experts_ref is the
 // Python twin). Each token picked k experts (top_k_index [N,k], weights top_k_weights [N,k]); per expert, only the
 // rows routed to it run gate, up, the activation and down, and are added to their token's output weighted. An expert
 // no row picked reads none of its weights, so a decode step streams k experts, not all of them.
@@ -72,10 +72,8 @@ Tensor& experts_out(KernelRuntimeContext& ctx, const Tensor& hidden, const Tenso
                     const Tensor& up_w, const OptTensor& up_s, const OptTensor& up_b, const Tensor& down_w,
                     const OptTensor& down_s, const OptTensor& down_b, ArrayRef<int64_t> act_quant, int64_t activation,
                     double limit, double alpha, Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::experts: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::experts", why);
   };
   if (hidden.dim() != 2 || hidden.scalar_type() != ScalarType::Float) return fail("hidden must be Float [N,H]");
   const int64_t N = hidden.size(0), H = hidden.size(1);

@@ -1,6 +1,6 @@
 // The gated delta rule (Qwen3.5, Qwen3-Next Gated DeltaNet layers), recurrent_core.h's run_delta, and
 // llmpipe::gated_delta_rule.out: the custom and static modes' op over a state buffer of the program, updated in place.
-// Python twin and the math: pipeline/model/gated_delta.py.
+// Python twin and the math: pipeline/model/layers/gated_delta.py.
 //
 //   q, k [1,T,Hk,Dk] (unnormalized), v [1,T,Hv,Dv], a, b [1,T,Hv], A_log, dt_bias [Hv], all Float; Hv % Hk == 0;
 //   state [Hv,Dk,Dv] Float (zeroed first when position[0] == 0); position [T] consecutive; out [1,T,Hv,Dv] Float.

@@ -49,10 +49,8 @@ bool float_type(ScalarType t) {
 
 Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& value, Tensor& cache, int64_t start_pos,
                          Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llama::update_cache: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llama::update_cache", why);
   };
   if (value.dim() != 4 || cache.dim() != 4) return fail("value and cache must be 4-d [B,T,H,D] / [B,S,H,D]");
   if (value.size(0) != cache.size(0) || value.size(2) != cache.size(2) || value.size(3) != cache.size(3))
@@ -181,10 +179,8 @@ Tensor& custom_sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
                         int64_t start_pos, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                         std::optional<double> scale, Tensor& out) {
   (void)dropout_p;  // ExecuTorch's kernel ignores it too
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llama::custom_sdpa: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llama::custom_sdpa", why);
   };
   if (attn_mask.has_value() && is_causal) return fail("attn_mask and is_causal cannot be set at the same time");
   if (q.dim() != 4 || k_cache.dim() != 4 || v_cache.dim() != 4) return fail("q and the caches must be 4-d");

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 
 namespace llmrt::offgraph {
 

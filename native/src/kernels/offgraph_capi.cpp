@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/huge_pages.h"
+#include "platform/huge_pages.h"
 #include "kernels/offgraph_cache.h"
 
 using llmrt::offgraph::OffgraphKvCache;
@@ -103,7 +103,7 @@ const char* llmpipe_cache_describe(void* h) {
   return tl_text.c_str();
 }
 
-// The runners' --huge-pages for a Python process (pipeline.generate): bytes put on 2 MiB pages.
+// The runners' --huge-pages for a Python process (python -m pipeline generate): bytes put on 2 MiB pages.
 int64_t llmpipe_back_with_huge_pages(int64_t min_bytes) { return llmrt::back_with_huge_pages(min_bytes).bytes; }
 
 const char* llmpipe_last_error() {

@@ -1,6 +1,6 @@
 // The recurrent layers' two computations, over state the caller owns: a program's buffer (custom and static modes:
 // gated_delta_kernel.cpp, causal_conv_kernel.cpp) or the runtime's off-graph cache (state_kernels.cpp). Python twins:
-// pipeline/model/gated_delta.py, pipeline/model/recurrent.py.
+// pipeline/model/layers/gated_delta.py, pipeline/model/layers/recurrent.py.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // The `custom` cache mode's two halves, each alone (cache.custom_sdpa / cache.custom_kv_cache), as
 // ExecuTorch's llama::custom_sdpa / llama::update_cache can be used; the Python twins are
-// pipeline/model/custom_ops.py. Both caches are HF's static-cache layout, BHSD [1,Hkv,S,D], flat.
+// pipeline/model/cache_modes/custom_split.py. Both caches are HF's static-cache layout, BHSD [1,Hkv,S,D], flat.
 //
 //   llmpipe::sdpa.out(q, k_cache, v_cache, position, window, scale, *, out)
 //       q [1,Hq,T,D]; attends over keys [max(0, pos-w+1) or 0, pos+T) in fp32; out [1,Hq,T,Dv] in q's dtype.
@@ -52,10 +52,8 @@ bool bhsd(const Tensor& c, int64_t heads, int64_t dim) {
 
 Tensor& sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                  const Tensor& position, int64_t window, double scale, Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::sdpa: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::sdpa", why);
   };
   if (q.dim() != 4 || q.size(0) != 1 || !float_code(q.scalar_type()) || out.scalar_type() != q.scalar_type())
     return fail("q must be [1,Hq,T,D] Float/Half/BFloat16, out of q's dtype");
@@ -87,10 +85,8 @@ Tensor& sdpa_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_cac
 
 Tensor& update_cache_out(KernelRuntimeContext& ctx, const Tensor& k, const Tensor& v, Tensor& k_cache,
                          Tensor& v_cache, const Tensor& position, Tensor& out) {
-  auto fail = [&](const std::string& msg) -> Tensor& {
-    ET_LOG(Error, "llmpipe::update_cache: %s", msg.c_str());
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::update_cache", why);
   };
   if (k.dim() != 4 || v.dim() != 4 || k.size(0) != 1 || v.size(0) != 1 || v.size(1) != k.size(1) ||
       v.size(2) != k.size(2) || !float_code(k.scalar_type()) || !float_code(v.scalar_type()))

@@ -1,6 +1,6 @@
 // llmpipe::tied_head.out: a tied model's lm_head over the embedding's own int8 table, so the program stores that
 // table once (the embedding lookup, quantized_decomposed::embedding_byte, reads the same constant). XNNPACK would
-// serialize its own copy of the weight into its payload. Python twin: pipeline/model/tied_head.py.
+// serialize its own copy of the weight into its payload. Python twin: pipeline/model/layers/tied_head.py.
 //
 //   x [..., D] Float; qweight [V, D] Char (int8 per row); scales [V] or [V, 1] Float; out [..., V] Float.
 //   out[t, v] = scales[v] * sum_d x[t, d] * qweight[v, d]. Each activation row is rounded to int16 first (its scale
@@ -25,10 +25,8 @@ using executorch::runtime::KernelRuntimeContext;
 
 Tensor& tied_head_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& qweight, const Tensor& scales,
                       Tensor& out) {
-  auto fail = [&](const char* why) -> Tensor& {
-    ET_LOG(Error, "llmpipe::tied_head: %s", why);
-    ctx.fail(Error::InvalidArgument);
-    return out;
+  auto fail = [&](const std::string& why) -> Tensor& {
+    return ::llmrt::kernels::refuse(ctx, out, "llmpipe::tied_head", why);
   };
   if (qweight.scalar_type() != ScalarType::Char || qweight.dim() != 2) return fail("qweight must be Char [V,D]");
   const int64_t V = qweight.size(0), D = qweight.size(1);

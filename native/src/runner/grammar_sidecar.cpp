@@ -18,7 +18,7 @@ GrammarSidecar::GrammarSidecar(const std::string& python, const std::string& tok
   int in[2], out[2];  // in: runner -> sidecar, out: sidecar -> runner
   if (pipe(in) != 0 || pipe(out) != 0) throw ProgramError(std::string("grammar sidecar: pipe: ") + strerror(errno));
   const std::string v = std::to_string(vocab);
-  std::vector<const char*> argv = {python.c_str(), "-m", "pipeline.constrain_sidecar", "--tokenizer",
+  std::vector<const char*> argv = {python.c_str(), "-m", "pipeline", "constrain_sidecar", "--tokenizer",
                                    tokenizer.c_str(), "--vocab", v.c_str(), flag.c_str(), file.c_str(), nullptr};
   pid_ = fork();
   if (pid_ < 0) throw ProgramError(std::string("grammar sidecar: fork: ") + strerror(errno));
@@ -39,7 +39,7 @@ GrammarSidecar::GrammarSidecar(const std::string& python, const std::string& tok
   const std::string ready = line();
   if (ready.rfind("ready ", 0) != 0)
     throw ProgramError(ready.rfind("error ", 0) == 0 ? ready.substr(6)
-                                                     : "grammar sidecar (python -m pipeline.constrain_sidecar) "
+                                                     : "grammar sidecar (python -m pipeline constrain_sidecar) "
                                                        "did not start: '" + ready + "' (set LLMPIPE_PYTHON)");
 }
 

@@ -1,4 +1,4 @@
-// --json-schema / --grammar in llm_runner: the grammar runs in a Python sidecar (python -m pipeline.constrain_sidecar,
+// --json-schema / --grammar in llm_runner: the grammar runs in a Python sidecar (python -m pipeline constrain_sidecar,
 // llguidance) over two pipes, since no grammar engine on PyPI ships its C or C++ interface. The runner asks it for
 // each token's allowed-token bitmask, tells it the token chosen, and has it check a speculative draft.
 #pragma once

@@ -20,7 +20,7 @@
 #include "runtime/chat_template.h"
 #include "runtime/kv_cache.h"
 #include "runtime/llm_program.h"
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 #include "tokenizer/tokenizer.h"
 
 namespace {

@@ -33,7 +33,7 @@ void print_help() {
       "  --seed S              sampling seed (default: %llu)\n"
       "  --warmup              run one untimed prefill chunk + decode step first (default: off)\n"
       "  --json-schema FILE    the output is JSON valid against this schema (llguidance, in a\n"
-      "                        Python sidecar: python -m pipeline.constrain_sidecar; the Python\n"
+      "                        Python sidecar: python -m pipeline constrain_sidecar; the Python\n"
       "                        is $LLMPIPE_PYTHON or python3) (default: none)\n"
       "  --grammar FILE        the output parses by this grammar, GBNF (with ::=) or Lark, as\n"
       "                        --json-schema (default: none)\n"

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "kernels/isa.h"
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 
 namespace llmrt::runner {
 

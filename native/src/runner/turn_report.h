@@ -6,7 +6,7 @@
 
 #include "runner/runner_options.h"
 #include "runner/turn_runner.h"
-#include "runtime/huge_pages.h"
+#include "platform/huge_pages.h"
 #include "runtime/kv_cache.h"
 #include "runtime/llm_program.h"
 

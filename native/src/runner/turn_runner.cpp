@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 #include "tokenizer/utf8.h"
 
 namespace llmrt::runner {

@@ -19,7 +19,7 @@
 #include "runtime/flatbuffer_view.h"
 #include "runtime/llm_program.h"
 #include "runtime/sha256.h"
-#include "runtime/sysmem.h"
+#include "platform/sysmem.h"
 
 namespace llmrt {
 

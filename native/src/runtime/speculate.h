@@ -1,4 +1,4 @@
-// Prompt-lookup speculative decoding, the runners' side (pipeline/speculate.py is the Python twin):
+// Prompt-lookup speculative decoding, the runners' side (pipeline/generation/speculate.py is the Python twin):
 //   - NgramDrafter: the continuation of the latest earlier occurrence of the context's last n tokens (n from
 //     n_max down to n_min); a match near the end is a period and repeats;
 //   - DraftBudget: how many tokens to draft, the k with the most expected tokens per second from the acceptance

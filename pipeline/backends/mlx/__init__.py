@@ -23,12 +23,16 @@ NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernel
 LOWERS_PROGRAM_IN_MEMORY = False
 LOWERS_NON_STRICT = False  # the same: a non-strict program's values are the tensor subclasses (found by CI)
 TAIL_LOGITS = False  # its lowering cannot take the symbolic min(T, K) rows (sym_min of a delegate's output)
+SCALE_BITS = (32, 32)  # an fp16 scale and an fp16 bias per group
+PLAN_CANDIDATES = (("4w", 64), ("4w", 32), ("8w", 64), ("8w", 32))
+HANDOVER_CACHE = "DynamicCache"
+HANDOVER_CACHE_WHY = ""
 
 
 def refuses(scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> str | None:
     """Why this backend cannot build a quantization scheme at this export.dtype (None: it can); gemm: a linear's
     weight (an embedding's is only gathered)."""
-    from pipeline.model.schemes import refused_by
+    from pipeline.model.quant.schemes import refused_by
     return refused_by(scheme, "mlx")
 
 

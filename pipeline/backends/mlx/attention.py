@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.model.attention import attention_layers, kv_source, step_args
+from pipeline.model.layers.attention import attention_layers, kv_source, step_args
 
 
 # --- attention functions (HF attention interface: q/k arrive RoPE-rotated, [B,H,T,D]) -------------
@@ -111,10 +111,10 @@ def mlx_offgraph_attention(module, query, key, value, attention_mask, dropout=0.
 
 
 def _custom(module, max_context_len: int, flags: dict) -> str:
-    from pipeline.model import custom_ops
+    from pipeline.model.cache_modes import custom_split
     from pipeline.model.cache_modes.custom import CustomCacheLM, fused
     want = (CustomCacheLM if fused(flags) else
-            custom_ops.SdpaStaticCacheLM if flags["custom_sdpa"] else custom_ops.UpdateCacheLM)
+            custom_split.SdpaStaticCacheLM if flags["custom_sdpa"] else custom_split.UpdateCacheLM)
     if not isinstance(module, want):
         raise TypeError(f"cache.mode=custom with {flags}: expected the mode's {want.__name__}, got "
                         f"{type(module).__name__}")

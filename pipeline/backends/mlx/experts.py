@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.model import archs
-from pipeline.model.experts import ExpertBank, pack4, replace_banks
+from pipeline.model.layers.experts import ExpertBank, pack4, replace_banks
 
 
 class GatherProjection(nn.Module):

@@ -1,5 +1,5 @@
 """The recurrent layers' ops the MLX delegate lowers, switched into the wrapped module's mixers before torch.export
-(pipeline/model/recurrent.py's RecurrentMixer: run_conv, run_delta). An MLX program is delegate calls only, so the
+(pipeline/model/layers/recurrent.py's RecurrentMixer: run_conv, run_delta). An MLX program is delegate calls only, so the
 state is always the program's buffers: in `custom` and `static` as on XNNPACK, and in `offgraph` too, beside the
 runtime's K/V (the MLX runtime runs no op of ours that could reach a runtime-owned state).
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pipeline.model import recurrent
+from pipeline.model.layers import recurrent
 
 
 def _keep(pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

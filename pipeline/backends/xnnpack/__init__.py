@@ -9,7 +9,7 @@ from pipeline.config import v
 RUNTIME = "executorch"
 ASYMMETRIC_WEIGHTS = False  # its int weights are symmetric (a zero point would be dropped)
 NATIVE_RUNNER = True
-from pipeline.model.schemes import SCHEMES, refused_by
+from pipeline.model.quant.schemes import SCHEMES, refused_by
 
 # the weight-only schemes (int weights, float activations) by their bits
 WEIGHT_ONLY_BITS = {name: s.bits for name, s in SCHEMES.items() if s.weight_only}
@@ -26,6 +26,12 @@ LOWERS_PROGRAM_IN_MEMORY = True
 # lowers a non-strict exported program (export.strict: null): the same program bits, about half the export time
 LOWERS_NON_STRICT = True
 TAIL_LOGITS = True
+# its file keeps 4-bit group scales in bf16 and per-row scales in fp32 (bits per group, per row)
+SCALE_BITS = (16, 32)
+# what quantize.target_bpw may give a linear here, cheapest first (group 0: one scale per row)
+PLAN_CANDIDATES = (("8da4w", 0), ("8da4w", 32), ("8da8w", 0))
+HANDOVER_CACHE = "StaticCache"  # the cache the transformers exporter passes through its programs
+HANDOVER_CACHE_WHY = ""
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +81,9 @@ def setup() -> None:
 
 
 def pack_experts(model) -> int:
-    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/experts.py): XNNPACK has no kernel that runs
+    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/layers/experts.py): XNNPACK has no kernel that runs
     only the rows routed to each expert; returns how many layers."""
-    from pipeline.model.experts import pack_experts as ours
+    from pipeline.model.layers.experts import pack_experts as ours
     return ours(model)
 
 

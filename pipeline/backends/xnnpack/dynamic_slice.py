@@ -1,6 +1,6 @@
 """Slices along a static dimension of a tensor whose token dimension is dynamic, inside the XNNPACK delegate.
 
-Why: a fused projection (pipeline/model/fused_projections.py) hands its members their columns of one output with
+Why: a fused projection (pipeline/model/layers/fused_projections.py) hands its members their columns of one output with
 `slice_copy` on the last dimension of a [1, T, N] tensor. ExecuTorch's slice config refuses any tensor with a
 symbolic dimension, and each refused slice would split the layer's delegate call in two. XNNPACK's static slice
 takes a size of 0 as "the rest of this dimension" (from offset 0), which is what the dynamic dimension needs; the

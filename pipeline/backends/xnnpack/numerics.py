@@ -335,7 +335,7 @@ def reference(module: nn.Module, unsigned: bool | None = None, copy_first: bool 
     """A quantized wrapped module whose torchao dynamic-activation linears compute as XNNPACK's GEMMs do (qdu8
     activations where this CPU has VNNI, qd8 elsewhere; or as `unsigned` says): a deep copy, or with
     copy_first=False the module itself, converted."""
-    from pipeline.model.experts import pack_experts
+    from pipeline.model.layers.experts import pack_experts
     unsigned = unsigned_activations() if unsigned is None else unsigned
     ref = copy.deepcopy(module) if copy_first else module
     # a MoE layer's experts run in our kernel (llmpipe::experts): its twin computes what it computes

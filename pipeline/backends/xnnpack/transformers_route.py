@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from pipeline.config import v
-from pipeline.model.schemes import SCHEMES
+from pipeline.model.quant.schemes import SCHEMES
 
 BITS = {name: s.bits for name, s in SCHEMES.items() if s.weight_only}
 

@@ -7,7 +7,7 @@ them names a module. A `model_type` outside this registry is refused at prefligh
 
 HF's own modeling code runs the forward (rotary variants, multipliers, softcaps, norms), so an entry declares where
 things are and what they are, not how to compute them; what HF computes in a way that does not export is rewritten
-after wrap's reference (pipeline/model/exportable.py: the experts of a mixture-of-experts layer, longrope's switch).
+after wrap's reference (pipeline/model/layers/exportable.py: the experts of a mixture-of-experts layer, longrope's switch).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pipeline.errors import PipelineError
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # the layer kinds whose state is a fixed-size recurrent one (an entry declares which it has); any other is refused
 RECURRENT_KINDS = ("linear_attention", "conv")
-# the names of one expert's linears after the rewrite (pipeline/model/experts.py builds them, geometry lists them)
+# the names of one expert's linears after the rewrite (pipeline/model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
@@ -106,7 +106,7 @@ class Experts:
 @dataclass(frozen=True)
 class GatedDeltaNet:
     """A `linear_attention` layer (Qwen3.5): q|k|v through a short causal conv, then the gated delta rule over a
-    [value heads, key dim, value dim] state (pipeline/model/recurrent.py); a gated norm and out_proj."""
+    [value heads, key dim, value dim] state (pipeline/model/layers/recurrent.py); a gated norm and out_proj."""
     path: str = "linear_attn"          # in a decoder layer
     qkv: str = "in_proj_qkv"           # rows q, k, v: the conv's channels
     z: str = "in_proj_z"               # the output gate
@@ -181,6 +181,9 @@ class Arch:
     tiny: dict = field(default_factory=dict)
     random_config: Optional[Callable] = None
     gguf_arch: Optional[str] = None    # a GGUF file's general.architecture naming this model_type
+    # the layer types a GGUF file of this family implies, from its layer count and sliding window (None: all full)
+    gguf_layer_types: Optional[Callable] = None
+    tiny_model: str = "tiny_llama"     # the conf/model option `validate --smoke` starts from (model.random.arch set)
     model_type: str = ""               # set from the file name
 
     # --- where things are, in a loaded model ---------------------------------------------------------------------

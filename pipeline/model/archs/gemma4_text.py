@@ -24,4 +24,4 @@ ARCH = Arch(family="Gemma 4", attention=Attention(qk_norm="head", v_norm=True),
             per_layer=PerLayer(), rotary="rope; proportional partial rope on global layers",
             embedding_scale="sqrt(hidden)", logits="final softcap",
             refuses=(("enable_moe_block", bool, "Gemma 4's mixture-of-experts block is not built yet"),),
-            random_config=random_config)
+            tiny_model="tiny_gemma4", random_config=random_config)

@@ -1,31 +1,13 @@
-"""The KV-cache modes, one module each; the file name is the `cache.mode` value.
-
-Each module declares:
-    FLAGS: tuple[dict]     -- the combinations of cache.custom_sdpa / cache.custom_kv_cache the mode takes, the
-                              first its default (FLAGS_WHY: why)
-    RUNTIME_OWNED: bool    -- the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
-    KERNELS: tuple         -- native kernel libraries its programs call ("llmpipe": native/'s; "llama": ExecuTorch's
-                              LLM custom ops, pipeline/ops.py)
-    EXECUTORCH_OPS_ONLY: bool -- its programs call ExecuTorch's operators alone: export adds none of ours (the tied
-                              head's llmpipe::tied_head, the experts' llmpipe::experts)
-    rings(flags) -> bool   -- sliding layers hold window + chunk - 1 slots instead of the whole context
-    exports_non_strict(flags) -> bool -- its module exports non-strict to a program that lowers (export.strict: null)
-    LOGITS_MODES: tuple    -- the export.logits_mode values it exports (`selected`: forward takes rows Long[R])
-    takes_rows(flags) -> bool -- its module takes the rows input (export.logits_mode=auto is `tail` or `selected`
-                              there: logits_mode below)
-    sdpa_with_kv_cache(flags) -> bool -- attention is one custom op over the cache (ExecuTorch's runner metadata)
-    kv_dtype_refused(flags) -> str | None -- why the mode cannot store its K/V as cache.kv_dtype says (None: it can)
-    refuses_arch(arch, flags) -> str | None -- why the mode cannot build a model of this architecture's entry
-    wrap(model, context, logits_mode, chunk, flags, kv_dtype) -> the runner-layout module (tokens, positions) ->
-                              logits (kv_dtype: a torch dtype for the K/V buffers, or None)
-    constant_methods(text_config, context, chunk, flags) -> the constant methods the mode adds to the .pte
-"""
+"""The KV-cache modes, one module each; the file name is the `cache.mode` value. Each declares what contract.py's
+CacheMode protocol lists, checked here at import."""
 from __future__ import annotations
 
 from pipeline.model.cache_modes import custom, offgraph, static, stock
-from pipeline.registry import Registry
+from pipeline.model.cache_modes.contract import CacheMode
+from pipeline.registry import Registry, check_contract
 
 CACHE_MODES = Registry("cache.mode", {m.__name__.rsplit(".", 1)[-1]: m for m in (static, custom, offgraph, stock)})
+check_contract(CACHE_MODES, CacheMode)
 
 
 def flags(cache) -> dict:

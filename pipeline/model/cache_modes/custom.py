@@ -17,7 +17,7 @@ each attention layer calls one fused op that updates it in place and attends.
   buffers in the program and calls `llmpipe::cached_attention.out` in place
   (native/src/kernels/custom_kernel.cpp, the attention core shared with the off-graph op).
 - That is both flags (cache.custom_sdpa, cache.custom_kv_cache: the default). Either alone takes half of it, as
-  ExecuTorch's llama::custom_sdpa / llama::update_cache can be used apart (pipeline/model/custom_ops.py):
+  ExecuTorch's llama::custom_sdpa / llama::update_cache can be used apart (pipeline/model/cache_modes/custom_split.py):
   llmpipe::sdpa over HF's own static cache, or llmpipe::update_cache followed by the standard attention math.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
                                       kv_source, link_kv_sources, query_positions, sinks_arg, step_args)
-from pipeline.model import recurrent
-from pipeline.model.kv_layout import cache_layout, ring_runs, ring_slots
+from pipeline.model.layers import recurrent
+from pipeline.model.kv.layout import cache_layout, ring_runs, ring_slots
 
-# both: the fused op; one alone: that half of it (pipeline/model/custom_ops.py), as ExecuTorch's llama:: ops allow
+# both: the fused op; one alone: that half of it (pipeline/model/cache_modes/custom_split.py), as ExecuTorch's llama:: ops allow
 FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "custom_kv_cache": False},
          {"custom_sdpa": False, "custom_kv_cache": True})
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"
@@ -230,11 +230,11 @@ def kv_dtype_refused(flags: dict) -> str | None:
 def wrap(model: nn.Module, context: int, logits_mode: str, chunk: int, flags: dict, kv_dtype=None) -> nn.Module:
     if fused(flags):
         return CustomCacheLM(model, context, logits_mode, prefill_chunk=chunk, kv_dtype=kv_dtype)
-    from pipeline.model import custom_ops
+    from pipeline.model.cache_modes import custom_split
     if flags["custom_sdpa"]:
-        return custom_ops.SdpaStaticCacheLM(model, context, logits_mode)
+        return custom_split.SdpaStaticCacheLM(model, context, logits_mode)
     if flags["custom_kv_cache"]:
-        return custom_ops.UpdateCacheLM(model, context, logits_mode)
+        return custom_split.UpdateCacheLM(model, context, logits_mode)
     raise ValueError(f"cache.mode=custom needs custom_sdpa and/or custom_kv_cache, got {flags}")
 
 

@@ -9,7 +9,7 @@
   output shape), so the exported graph has no buffers and no mutations: one op per attention layer.
   `llmpipe::update_and_attend.out` is the out variant that `to_executorch` emits.
 - Semantics: write this step's K/V at logical positions [pos, pos+T) of cache `cache_id` of the bound
-  cache (pipeline/model/offgraph_cache.py), then attend over the cached history (fp32, cast to
+  cache (pipeline/model/kv/runtime_cache.py), then attend over the cached history (fp32, cast to
   out_dtype) with the causal mask, banded on sliding layers. The C++ kernel is native/'s.
 - The program publishes the cache geometry (get_n_caches, get_kv_heads, get_head_dims, get_windows)
   so a runtime can build the cache it needs.
@@ -18,7 +18,7 @@
   reads without writing (out [B,Hq,Tq,D]: values as wide as keys); its Tq query rows may be only the
   step's last ones. The program also publishes get_n_shared_layers (how many), for the cache report.
 - Recurrent layers (Qwen3.5, LFM2) keep their state in the runtime's cache too: their mixers call
-  llmpipe::state_conv / llmpipe::state_delta with a state id (pipeline/model/recurrent.py), and the program
+  llmpipe::state_conv / llmpipe::state_delta with a state id (pipeline/model/layers/recurrent.py), and the program
   publishes get_layer_kinds / get_state_shapes, from which the runtime sizes it.
 """
 from __future__ import annotations
@@ -28,11 +28,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from pipeline.model import recurrent
-from pipeline.model.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
+from pipeline.model.layers import recurrent
+from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
                                       sinks_arg, step_args)
-from pipeline.model.kv_layout import cache_layout
-from pipeline.model.offgraph_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
+from pipeline.model.kv.layout import cache_layout
+from pipeline.model.kv.runtime_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)
 
 FLAGS = ({"custom_sdpa": False, "custom_kv_cache": False},)

@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.model.attention import HookedAttentionLM, attention_layers, step_args
-from pipeline.model.kv_layout import cache_layout
+from pipeline.model.layers.attention import HookedAttentionLM, attention_layers, step_args
+from pipeline.model.kv.layout import cache_layout
 
 FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True},)
 FLAGS_WHY = "ExecuTorch's two LLM ops together: llama::update_cache writes the cache, llama::custom_sdpa attends"

@@ -6,14 +6,14 @@ the same payload (payload.py) and gives every instruction the meaning of the bac
 program.py runs a whole .pte. kvcache::update_and_attend reaches the bound runtime-owned cache, the Python
 OffgraphCache with the policy our runners use.
 
-    python -m pipeline.mlx_interpreter model.pte      # list the instructions and whether each is covered
+    python -m pipeline mlx_interpreter model.pte      # list the instructions and whether each is covered
 """
 from __future__ import annotations
 
 import importlib.metadata as md
 from typing import Sequence
 
-from pipeline.model.offgraph_cache import OffgraphCache
+from pipeline.model.kv.runtime_cache import OffgraphCache
 from pipeline.runtimes.mlx.program import MLXProgram
 
 Cache = OffgraphCache

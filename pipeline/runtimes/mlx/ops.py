@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.model.offgraph_cache import bound_cache
+from pipeline.model.kv.runtime_cache import bound_cache
 from pipeline.runtimes.mlx.payload import Graph, UnsupportedInstruction, _mx, mx_dtype, to_mx, to_torch
 from pipeline.runtimes.mlx.payload import tid as _tid
 from pipeline.runtimes.mlx.recurrent_ops import RecurrentOps
