@@ -58,6 +58,7 @@ def test_the_default_build_answers_in_text_llm_runner_as_in_llm_runner(smollm2_d
 
 
 @pytest.mark.slow
+@pytest.mark.real_model
 def test_the_stock_build_needs_nothing_of_ours_and_answers_in_text_llm_runner(tmp_path):
     """recipe=smollm2_stock: ExecuTorch's kernels in TextLLMRunner, our twins of them in llm_runner (other float bits:
     an 8da4w program's tokens may part at a near-tie, which verify bounds), the same answer."""

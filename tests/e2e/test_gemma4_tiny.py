@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers import build
 
+ROTATE_EACH_TEST = True  # 20 builds of their own: the slow tier's rotation takes them one by one
+
 RECIPES = {("xnnpack", "static"): "tiny_gemma4_xnnpack", ("xnnpack", "custom"): "tiny_gemma4_custom",
            ("xnnpack", "custom_sdpa"): "tiny_gemma4_custom", ("xnnpack", "custom_kv_cache"): "tiny_gemma4_custom",
            ("xnnpack", "offgraph"): "tiny_gemma4_offgraph", ("mlx", "static"): "tiny_gemma4_mlx_offgraph",
