@@ -3,7 +3,7 @@
 
 A cell is what preflight answers for that combination: the backend's and the cache mode's refusals for the
 architecture's entry (refuses_arch). Every "yes" cell is built and verified on a tiny random model of the family by
-tests/model/test_families.py (its matrix: CI a family of each kind, the slow tier all of them).
+tests/e2e/test_families.py (its matrix: CI a family of each kind, the slow tier all of them).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // sha256_test: the runner's SHA-256 (src/runtime/sha256.h) against the FIPS 180-4 / NIST test vectors,
 // fed whole and in uneven pieces (block boundaries are where a hand-written hash goes wrong).
-// Prints one line per case; exit 0 when every case passes. Run by tests/native/test_verify_pte.py.
+// Prints one line per case; exit 0 when every case passes. Run by tests/native/test_program_integrity.py.
 #include <algorithm>
 #include <cstdio>
 #include <string>

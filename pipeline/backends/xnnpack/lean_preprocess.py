@@ -5,7 +5,7 @@ validation, and on a decoder partition all but two or three find nothing to do (
 lowering). A pass is skipped only where a cheap look at the partition's ops proves it a no-op, checked right before
 that pass (an earlier one can create what a later one matches); a partition holding any op outside the set these
 proofs cover (convolutions, pooling, batch norm, pads, activations that fuse, softmax, dim-order ops, ...) runs
-every pass, as stock ExecuTorch does. tests/backends/test_lean_preprocess.py holds the programs to the stock
+every pass, as stock ExecuTorch does. tests/exporters/test_lean_lowering.py holds the programs to the stock
 lowering's bytes.
 """
 from __future__ import annotations
