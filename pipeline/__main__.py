@@ -11,6 +11,10 @@ if __name__ == "__main__":
         print("\n".join(f"{name:18s} {what}" for name, what in COMMANDS.items()))
     elif sys.argv[1:2] and sys.argv[1] in COMMANDS:
         sys.exit(run(sys.argv[1], sys.argv[2:]))
+    elif sys.argv[1:2] and sys.argv[1].isidentifier():  # a bare word is no override: a command misspelled
+        print(f"error: {sys.argv[1]!r} is no command (commands: {', '.join(COMMANDS)}) and no override "
+              "(KEY=VALUE)", file=sys.stderr)
+        sys.exit(2)
     else:
         from pipeline.commands.build import main
         main()

@@ -167,3 +167,18 @@ def test_a_module_that_breaks_its_registrys_contract_is_named_at_import():
                                         r"gemm\)"):
         check_contract(Registry("backend.name", {"fake": fake}), Backend)
     check_contract(Registry("backend.name", {"xnnpack": xnnpack}), Backend)
+
+
+def test_every_command_is_a_module_of_commands_and_a_misspelled_one_is_named():
+    import subprocess
+    import sys
+
+    from pipeline.commands import COMMANDS
+    files = {p.stem for p in (paths.ROOT / "pipeline" / "commands").glob("*.py")} - {"__init__", "build"}
+    assert set(COMMANDS) == files
+    r = subprocess.run([sys.executable, "-m", "pipeline", "generat"], capture_output=True, text=True, cwd=paths.ROOT,
+                       timeout=120)
+    assert r.returncode == 2 and "'generat' is no command (commands: generate," in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pipeline", "support", "--markdown"], capture_output=True, text=True,
+                       cwd=paths.ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("|")
