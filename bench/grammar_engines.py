@@ -1,6 +1,6 @@
 """Per-token mask time of the grammar engines on PyPI, over the real models' tokenizers: llguidance, xgrammar and
-outlines-core (the engine pipeline/generation/constrain.py uses is the one with the lowest steady mask time that needs no other
-package).
+outlines-core (the engine pipeline/generation/constrain.py uses is the one with the lowest steady mask time that needs
+no other package).
 
     python bench/grammar_engines.py                        # SmolLM2 (49,152 ids) and Gemma 3 (262,144 ids)
     python bench/grammar_engines.py --models smollm2

@@ -202,7 +202,8 @@ class ExportConfig:
     # fewer operators per token; fp32 programs only
     fuse_projections: bool = True
     # a tied lm_head re-tied to an 8-bit per-row embedding runs on llmpipe::tied_head over the embedding's table, which
-    # the program then stores once (pipeline/model/layers/tied_head.py); false: the backend runs its own copy (XNNPACK's)
+    # the program then stores once (pipeline/model/layers/tied_head.py); false: the backend runs its own copy
+    # (XNNPACK's)
     store_tied_once: bool = True
 
 

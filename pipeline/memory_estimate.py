@@ -80,7 +80,8 @@ def linear_parameters(g: Geometry, params: int) -> int:
 def own_head(q, g: Geometry) -> bool:
     """Does the quantized module hold an lm_head of its own (not the embedding re-tied, not a float tied one)?"""
     retied = resolve.retied(q, g.tie_word_embeddings)
-    return not retied and not (g.tie_word_embeddings and resolve.head(q).scheme == resolve.embedding(q).scheme == "none")
+    float_tied = g.tie_word_embeddings and resolve.head(q).scheme == resolve.embedding(q).scheme == "none"
+    return not retied and not float_tied
 
 
 def module_parts(cfg, g: Geometry, params: int) -> list[tuple[int, str, int]]:

@@ -1,8 +1,8 @@
-"""Schema- and grammar-constrained output (pipeline/generation/constrain.py; llm_runner through its sidecar): every output parses
-and validates against its schema: 50 of 50 sampled outputs of a tiny random model (Python runner), 50 of 50 greedy
-answers of the real default program (Python runner, and the C++ runner in one interactive session); a GBNF grammar
-holds too; a draft is checked against the grammar so a constrained run still speculates, its greedy tokens those of
-the constrained plain run; a bad schema or grammar is one clear error before any token."""
+"""Schema- and grammar-constrained output (pipeline/generation/constrain.py; llm_runner through its sidecar): every
+output parses and validates against its schema: 50 of 50 sampled outputs of a tiny random model (Python runner), 50
+of 50 greedy answers of the real default program (Python runner, and the C++ runner in one interactive session); a
+GBNF grammar holds too; a draft is checked against the grammar so a constrained run still speculates, its greedy
+tokens those of the constrained plain run; a bad schema or grammar is one clear error before any token."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,7 @@ run_llm_hf).
     python -m pipeline generate --prompt "What is the capital of France?"      # the default build's latest
     python -m pipeline generate --recipe smollm2_stock --prompt "..."             # a recipe's latest build
     python -m pipeline generate --run outputs/runs/<time> --interactive         # a chat; /reset, /quit
-    python -m pipeline generate --pte <lower entry>/model.pte --model-dir <dir> --prompt "..." --temperature 0.7 --seed 1
+    python -m pipeline generate --pte <lower entry>/model.pte --model-dir <dir> --prompt "..." --temperature 0.7
 
 The program runs where verify runs it (pipeline/generation/runner.py). Text streams to stdout; the timings and a
 `STATS_JSON: {...}` line (the C++ runner's keys) go to stderr.

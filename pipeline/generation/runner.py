@@ -32,7 +32,7 @@ class Sampler:
                  constraint=None):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
-        self.constraint = constraint  # pipeline/generation/constrain.py: the grammar masks the logits and takes each token
+        self.constraint = constraint  # generation/constrain.py: the grammar masks the logits and takes each token
 
     def __call__(self, logits: torch.Tensor) -> int:
         if self.constraint is not None:

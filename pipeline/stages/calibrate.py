@@ -5,9 +5,9 @@ quantize stage, so a sweep over schemes reuses it.
 
 Over the calibration text (bench/corpus/calibration.txt, which nothing scores): the activation maxima smoothing
 divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n, taken on the
-smoothed model (pipeline/model/quant/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme the
-backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may
-be empty) and calibration.json.
+smoothed model (pipeline/model/quant/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme
+the backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"},
+any may be empty) and calibration.json.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""GPTQ (pipeline/model/quant/gptq.py) and the target-bits allocator (pipeline/model/quant/allocate.py): eager, on synthetic weights
-and a tiny random Llama, in seconds."""
+"""GPTQ (pipeline/model/quant/gptq.py) and the target-bits allocator (pipeline/model/quant/allocate.py): eager, on
+synthetic weights and a tiny random Llama, in seconds."""
 from __future__ import annotations
 
 import json

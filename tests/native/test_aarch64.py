@@ -176,7 +176,8 @@ def test_tokenizer_cli_equals_x86s(aarch64, native_bins, tmp_path):
 
 
 def test_cli_path_and_run(aarch64, tmp_path):
-    """python -m pipeline native path/run --target aarch64: the path; ARGS, stdin, stdout and the exit code pass through."""
+    """python -m pipeline native path/run --target aarch64: the path; ARGS, stdin, stdout and the exit code pass
+    through."""
     from test_tokenizer import _llama3_like
 
     def cli(*args, stdin=None):

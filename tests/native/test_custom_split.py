@@ -1,7 +1,8 @@
 """cache=custom with one flag (llmpipe::sdpa over HF's static cache; llmpipe::update_cache + the attention math), built by
 the pipeline on both tiny models and both CPU backends: verify passes (the Python runtime against eager, exact gate) and
 the C++ runner's greedy tokens equal the Python runtime's, and python -m pipeline generate agrees with the C++ runner.
-(The CI tier builds one of them end to end: tests/test_export_llm_hf.py; the ops and kernels: tests/model/test_custom_split.py.)"""
+(The CI tier builds one of them end to end: tests/test_export_llm_hf.py; the ops and kernels:
+tests/model/test_custom_split.py.)"""
 from __future__ import annotations
 
 from pathlib import Path

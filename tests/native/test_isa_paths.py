@@ -58,8 +58,8 @@ def test_every_paths_cores_equal_the_twins(native_bins, tmp_path):
 def test_the_path_taken_is_the_one_asked():
     """A forced path is the one the kernels take, and one this CPU or build lacks is refused with the paths."""
     for path in ops.isa_paths():
-        out = subprocess.run([sys.executable, "-m", "pipeline", "ops", "--isa"], env={**os.environ, "LLMPIPE_ISA": path},
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "pipeline", "ops", "--isa"],
+                             env={**os.environ, "LLMPIPE_ISA": path}, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and out.stdout.startswith(f"{path} (LLMPIPE_ISA={path}"), out.stderr[-2000:]
     out = subprocess.run([sys.executable, "-m", "pipeline", "ops", "--isa"], env={**os.environ, "LLMPIPE_ISA": "sse9"},
                          capture_output=True, text=True, timeout=120)

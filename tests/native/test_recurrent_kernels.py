@@ -1,5 +1,5 @@
-"""The recurrent layers' ops. llmpipe::gated_delta_rule: the Python twin (pipeline/model/layers/gated_delta.py) against HF's
-own gated delta rule, its chunked form against the token-by-token recurrence, and the C++ kernel
+"""The recurrent layers' ops. llmpipe::gated_delta_rule: the Python twin (pipeline/model/layers/gated_delta.py) against
+HF's own gated delta rule, its chunked form against the token-by-token recurrence, and the C++ kernel
 (native/src/kernels/gated_delta_kernel.cpp) in the ExecuTorch runtime against the twin, the state carried in the
 program's buffer across steps of any length. llmpipe::causal_conv (pipeline/model/layers/recurrent.py, its kernel
 native/src/kernels/causal_conv_kernel.cpp): in pieces against one causal conv over the whole sequence."""

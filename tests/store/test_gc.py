@@ -40,8 +40,8 @@ def test_gc_removes_what_no_build_can_reach():
     # a temp dir of a builder that died
     (cache / "export" / f".tmp-{keys['export']}-1-deadbeef").mkdir()
 
-    gc = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", OUT, *a], cwd=ROOT,  # noqa: E731
-                                   capture_output=True, text=True, timeout=300)
+    gc = lambda *a: subprocess.run([sys.executable, "-m", "pipeline", "gc", "--output-dir", OUT, *a],  # noqa: E731
+                                   cwd=ROOT, capture_output=True, text=True, timeout=300)
     r = gc("--dry-run")
     assert r.returncode == 0, r.stderr
     assert "0" * 24 in r.stdout and "1" * 24 in r.stdout and "leftover" in r.stdout and "3 entries" in r.stdout

@@ -1,5 +1,5 @@
-// llmpipe::experts.out: a mixture-of-experts layer's experts (pipeline/model/layers/experts.py, whose experts_ref is the
-// Python twin). Each token picked k experts (top_k_index [N,k], weights top_k_weights [N,k]); per expert, only the
+// llmpipe::experts.out: a mixture-of-experts layer's experts (pipeline/model/layers/experts.py, whose experts_ref is
+// the Python twin). Each token picked k experts (top_k_index [N,k], weights top_k_weights [N,k]); per expert, only the
 // rows routed to it run gate, up, the activation and down, and are added to their token's output weighted. An expert
 // no row picked reads none of its weights, so a decode step streams k experts, not all of them.
 //

@@ -1,6 +1,6 @@
 """The recurrent layers' ops the MLX delegate lowers, switched into the wrapped module's mixers before torch.export
-(pipeline/model/layers/recurrent.py's RecurrentMixer: run_conv, run_delta). An MLX program is delegate calls only, so the
-state is always the program's buffers: in `custom` and `static` as on XNNPACK, and in `offgraph` too, beside the
+(pipeline/model/layers/recurrent.py's RecurrentMixer: run_conv, run_delta). An MLX program is delegate calls only, so
+the state is always the program's buffers: in `custom` and `static` as on XNNPACK, and in `offgraph` too, beside the
 runtime's K/V (the MLX runtime runs no op of ours that could reach a runtime-owned state).
 
 - the conv: the state's K-1 rows, then the step's rows, through a depthwise conv1d (the delegate's Conv1DNode); the

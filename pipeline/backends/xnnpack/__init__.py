@@ -81,8 +81,8 @@ def setup() -> None:
 
 
 def pack_experts(model) -> int:
-    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/layers/experts.py): XNNPACK has no kernel that runs
-    only the rows routed to each expert; returns how many layers."""
+    """A MoE layer's experts as one llmpipe::experts op (pipeline/model/layers/experts.py): XNNPACK has no kernel that
+    runs only the rows routed to each expert; returns how many layers."""
     from pipeline.model.layers.experts import pack_experts as ours
     return ours(model)
 

@@ -7,7 +7,8 @@ them names a module. A `model_type` outside this registry is refused at prefligh
 
 HF's own modeling code runs the forward (rotary variants, multipliers, softcaps, norms), so an entry declares where
 things are and what they are, not how to compute them; what HF computes in a way that does not export is rewritten
-after wrap's reference (pipeline/model/layers/exportable.py: the experts of a mixture-of-experts layer, longrope's switch).
+after wrap's reference (pipeline/model/layers/exportable.py: the experts of a mixture-of-experts layer, longrope's
+switch).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pipeline.errors import PipelineError
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # the layer kinds whose state is a fixed-size recurrent one (an entry declares which it has); any other is refused
 RECURRENT_KINDS = ("linear_attention", "conv")
-# the names of one expert's linears after the rewrite (pipeline/model/layers/experts.py builds them, geometry lists them)
+# the names of one expert's linears after the rewrite (model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",

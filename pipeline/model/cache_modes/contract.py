@@ -5,7 +5,7 @@ from typing import Optional, Protocol
 
 
 class CacheMode(Protocol):
-    FLAGS: tuple                # the combinations of cache.custom_sdpa / cache.custom_kv_cache it takes, its default first
+    FLAGS: tuple                # the cache.custom_sdpa / cache.custom_kv_cache combinations it takes, its default first
     FLAGS_WHY: str              # why those
     RUNTIME_OWNED: bool         # the runtime owns the cache (sized per run: verify.runtime, the runners' --kv-*)
     KERNELS: tuple              # native kernel libraries its programs call ("llmpipe": native/'s; "llama": ExecuTorch's

@@ -27,12 +27,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                      kv_source, link_kv_sources, query_positions, sinks_arg, step_args)
+from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step,
+                                             define_op, kv_source, link_kv_sources, query_positions, sinks_arg,
+                                             step_args)
 from pipeline.model.layers import recurrent
 from pipeline.model.kv.layout import cache_layout, ring_runs, ring_slots
 
-# both: the fused op; one alone: that half of it (pipeline/model/cache_modes/custom_split.py), as ExecuTorch's llama:: ops allow
+# both: the fused op; one alone: that half of it (custom_split.py), as ExecuTorch's llama:: ops allow
 FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "custom_kv_cache": False},
          {"custom_sdpa": False, "custom_kv_cache": True})
 FLAGS_WHY = "at least one custom op: custom_sdpa (attention over the cache), custom_kv_cache (the cache update)"

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from pipeline.model.layers import recurrent
-from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step, define_op,
-                                      sinks_arg, step_args)
+from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step,
+                                             define_op, sinks_arg, step_args)
 from pipeline.model.kv.layout import cache_layout
 from pipeline.model.kv.runtime_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)

@@ -1,5 +1,6 @@
 """HF's StaticCache held in a program: its tensors as buffers of the wrapper, where a step starts, a reset. The `static`
-mode runs HF's attention over it; the custom mode's split form (cache_modes/custom_split.py) reuse it for the half they leave to HF."""
+mode runs HF's attention over it; the custom mode's split form (cache_modes/custom_split.py) reuses it for the half it
+leaves to HF."""
 from __future__ import annotations
 
 import torch
