@@ -14,7 +14,7 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.paths import CONF_DIR
+from pipeline.paths import CONF_DIR, project_path
 import pipeline.compose  # noqa: F401,E402  (registers the schemas, the recipes and the project_path resolver)
 
 log = logging.getLogger(__name__)
