@@ -231,9 +231,12 @@ class MixedLinear(nn.Module):
 
     def forward(self, x):
         shape = x.shape
-        y = torch.ops.quantized_decomposed.mixed_linear.default(x.reshape(-1, shape[-1]), self.qweight,
-                                                                self.scales, None)
-        y = y.reshape(*shape[:-1], self.out_features)
+        # one sequence: squeeze, not reshape; reshaping logits mode tail's min(K, T) rows adds a guard export cannot
+        # prove (1 % min(K, T) != 0)
+        one = x.dim() == 3 and shape[0] == 1
+        y = torch.ops.quantized_decomposed.mixed_linear.default(x.squeeze(0) if one else x.reshape(-1, shape[-1]),
+                                                                self.qweight, self.scales, None)
+        y = y.unsqueeze(0) if one else y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
