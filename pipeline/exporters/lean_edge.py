@@ -13,6 +13,10 @@ SmolLM2, and the stock conversion makes about a dozen that change nothing or cou
   there were seven, split where cheap graph passes (noops, empty tensors, redundant q/dq) ran between them.
 - `LegalizePortableDimOrderPass` re-traces to act on five ops with a non-contiguous input; skipped when the
   program has none (SpecPropPass re-traces right after it anyway).
+- A re-trace after partitioning (SpecPropPass) meets each delegate call, whose fake-tensor rule unlifts the
+  partition into a module and runs every node of it again (a whole-program re-trace more). Where each output's
+  sizes are constants or input sizes and its layout contiguous, they follow from the partition's recorded output
+  shapes without running it; anything else runs it, as stock.
 tests/exporters/test_lean_lowering.py holds programs lowered this way to the stock conversion's bytes.
 """
 from __future__ import annotations
@@ -29,9 +33,13 @@ from executorch.exir.passes.sym_to_tensor_pass import SymToTensorPass
 from executorch.exir.program import _program
 from torch._export.passes.replace_view_ops_with_view_copy_ops_pass import (
     _NON_FUNCTIONAL_OPS_TO_FUNCTIONAL_OPS, get_view_copy_of_view_op)
+from torch._higher_order_ops.executorch_call_delegate import executorch_call_delegate
 from torch._ops import HigherOrderOperator
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import OutputKind
+from torch.utils import _pytree as pytree
 
-STATS = {"decompositions_saved": 0, "retraces_saved": 0}  # of the last lean_edge span
+STATS = {"decompositions_saved": 0, "retraces_saved": 0, "delegates_by_shape": 0}  # of the last lean_edge span
 
 
 class ViewCopyPass(ExportPass):
@@ -89,10 +97,76 @@ class LegalizeWhereNeeded(_program.LegalizePortableDimOrderPass):
         return PassResult(gm, False)
 
 
+def _size(d, symbols: dict):
+    """A recorded size in the current shape environment (None: neither a constant nor a bare input symbol)."""
+    if isinstance(d, int):
+        return d
+    expr = d.node.expr
+    return int(expr) if expr.is_number else symbols.get(expr) if expr.is_Symbol else None
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    """Strides a contiguous layout of these (symbolic) sizes has, compared as expressions (no guard is added)."""
+    want = 1
+    for d, st in zip(reversed(t.shape), reversed(t.stride())):
+        expr = st.node.expr if isinstance(st, torch.SymInt) else st
+        if expr != want:
+            return False
+        want = want * (d.node.expr if isinstance(d, torch.SymInt) else d)
+    return True
+
+
+def delegate_outputs(lowered_module, args) -> object | None:
+    """A delegate call's outputs as empty tensors of the current fake mode, from the partition's recorded output
+    shapes with its input symbols bound to `args`' sizes; None where that cannot be exact."""
+    ep = lowered_module.original_module
+    inputs = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
+    if len(inputs) != len(args):
+        return None
+    symbols = {}
+    for node, arg in zip(inputs, args):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not isinstance(arg, torch.Tensor) or val.dim() != arg.dim():
+            return None
+        for d, new in zip(val.shape, arg.shape):
+            if isinstance(d, int) or d.node.expr.is_number:
+                if isinstance(new, torch.SymInt) or int(d) != new:
+                    return None
+            elif not (d.node.expr.is_Symbol and isinstance(new, torch.SymInt)):
+                return None
+            elif symbols.setdefault(d.node.expr, new).node.expr != new.node.expr:
+                return None
+    results = dict(zip((n.name for n in ep.graph.output_node().args[0]), ep.graph.output_node().args[0]))
+    outs = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            continue
+        val = results[spec.arg.name].meta.get("val") if spec.arg.name in results else None
+        if not isinstance(val, torch.Tensor) or not _contiguous(val):
+            return None
+        sizes = [_size(d, symbols) for d in val.shape]
+        if any(x is None for x in sizes):
+            return None
+        outs.append((sizes, val.dtype, val.device))
+    return outs, ep.call_spec.out_spec
+
+
+def delegate_by_shape(mode, lowered_module, *args):
+    """executorch_call_delegate's fake-tensor rule: delegate_outputs where it can say, else the stock rule."""
+    found = delegate_outputs(lowered_module, args)
+    if found is None:
+        return ORIGINAL["delegate_fake"](mode, lowered_module, *args)
+    STATS["delegates_by_shape"] += 1
+    outs, spec = found
+    with mode:
+        return pytree.tree_unflatten([torch.empty(s, dtype=dt, device=dev) for s, dt, dev in outs], spec)
+
+
 ORIGINAL = {"_get_aten_to_edge_passes": _program._get_aten_to_edge_passes,
             "ReplaceViewOpsWithViewCopyOpsPass": _program.ReplaceViewOpsWithViewCopyOpsPass,
             "OpReplacePass": _program.OpReplacePass,
-            "LegalizePortableDimOrderPass": _program.LegalizePortableDimOrderPass}
+            "LegalizePortableDimOrderPass": _program.LegalizePortableDimOrderPass,
+            "delegate_fake": executorch_call_delegate.python_key_table[FakeTensorMode]}
 
 
 def inplace_aten_ops(ep) -> set:
@@ -129,7 +203,7 @@ def decompose_for(ep, partitioners: list):
 @contextlib.contextmanager
 def lean_edge():
     """For the span: the decomposed program's functionalization is skipped, the edge passes are chained, the dim
-    order pass runs where it can act. Use with decompose_for(ep, partitioners) before to_edge_transform_and_lower."""
+    order pass runs where it can act, delegate calls are re-traced by shape. Use with decompose_for(ep, partitioners) before to_edge_transform_and_lower."""
     run_decompositions = torch.export.ExportedProgram.run_decompositions
 
     def skip_functionalizing_twice(self, decomp_table=None, *args, **kwargs):
@@ -144,10 +218,13 @@ def lean_edge():
     _program.ReplaceViewOpsWithViewCopyOpsPass = Skip
     _program.OpReplacePass = Skip
     _program.LegalizePortableDimOrderPass = LegalizeWhereNeeded
+    executorch_call_delegate.python_key_table[FakeTensorMode] = delegate_by_shape
     try:
         yield STATS
     finally:
         torch.export.ExportedProgram.run_decompositions = run_decompositions
+        executorch_call_delegate.python_key_table[FakeTensorMode] = ORIGINAL["delegate_fake"]
         for name, value in ORIGINAL.items():
-            setattr(_program, name, value)
+            if name != "delegate_fake":
+                setattr(_program, name, value)
 

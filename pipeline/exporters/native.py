@@ -74,6 +74,8 @@ def strict_export(cfg) -> bool:
 def export(ctx) -> dict:
     """Writes program.pt2 (torch.export.save)."""
     import torchao  # noqa: F401  (registers the quantized ops the program refers to)
+
+    from pipeline.exporters.lean_export import without_canonical_self_test
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
@@ -110,7 +112,8 @@ def export(ctx) -> dict:
     with spinner("torch.export", ctx.progress):
         ep = export_program(module, ctx.cfg.export.prefill_chunk, strict, logits_mode)
     del module
-    write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
+    with without_canonical_self_test():
+        write_streaming(ctx.out / "program.pt2", lambda f: torch.export.save(ep, f))
     if BACKENDS[ctx.cfg.backend.name].LOWERS_PROGRAM_IN_MEMORY and fp32:
         handoff.keep(ctx.out / "program.pt2", ep)
     return {"graph_nodes": len(ep.graph.nodes), **info}

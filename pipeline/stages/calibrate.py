@@ -4,8 +4,9 @@ quantize stage, so a sweep over schemes reuses it.
     python -m pipeline quantize.algorithm=gptq          # the default build, its linears rounded by GPTQ
 
 Over the calibration text (bench/corpus/calibration.txt, which nothing scores): the activation maxima smoothing
-divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n, taken on the
-smoothed model (pipeline/model/quant/gptq.py); with quantize.target_bpw each planned linear's KLD cost at each scheme
+divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n of the smoothed
+model (pipeline/model/quant/gptq.py): measured in the same pass as the maxima and rescaled by smoothing's divisors,
+H / (s s^T), as the smoothed model computes the same function; with quantize.target_bpw each planned linear's KLD cost at each scheme
 the backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"},
 any may be empty) and calibration.json.
 """
@@ -19,7 +20,7 @@ from pipeline.config import v
 from pipeline.report.progress import spinner
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "calibrate", 1
+NAME, VERSION = "calibrate", 2  # 2: one pass for maxima and Hessians
 AFTER = ("download", "wrap")
 SOURCES = ("bench/corpus/calibration.txt",)
 CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm", "quantize.target_bpw", "quantize.overrides",
@@ -50,21 +51,23 @@ def run(ctx) -> dict:
         from pipeline.fidelity import calibration_ids
         from pipeline.model.layers.exportable import make_exportable
         from pipeline.model.loading import load_hf_model
-        from pipeline.model.quant.smoothing import activation_maxima, smooth
+        from pipeline.model.quant.gptq import rescaled
+        from pipeline.model.quant.smoothing import smooth
         model_dir = ctx.inputs["download"] / "model"
         sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
         report["calibration_tokens"] = sum(map(len, sequences))
         model = load_hf_model(model_dir)
         make_exportable(model)
         with torch.no_grad():
+            if q.smoothing is not None or v(q.algorithm) == "gptq":
+                what = " and ".join(["activation maxima"] * (q.smoothing is not None) +
+                                    ["Hessians"] * (v(q.algorithm) == "gptq"))
+                with spinner(f"calibrate: {what}", ctx.progress):
+                    maxima, hessians = measure(model, sequences, q.smoothing is not None, v(q.algorithm) == "gptq")
             if q.smoothing is not None:
-                with spinner("calibrate: activation maxima", ctx.progress):
-                    maxima = activation_maxima(model, sequences)
-                smooth(model, maxima, q.smoothing)
-            if v(q.algorithm) == "gptq":
-                from pipeline.model.quant.gptq import hessians as measure
-                with spinner("calibrate: Hessians", ctx.progress):
-                    hessians = measure(model, sequences)
+                scales = {}
+                smooth(model, maxima, q.smoothing, scales)
+                hessians = rescaled(hessians, scales)  # the smoothed model's: its linears' inputs divided by scales
             if q.target_bpw is not None:
                 from pipeline.backends import BACKENDS
                 from pipeline.model.quant.allocate import planned, sensitivities
@@ -78,3 +81,20 @@ def run(ctx) -> dict:
         {"maxima": maxima, "hessians": hessians, "sensitivity": sensitivity}, f))
     (ctx.out / "calibration.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def measure(model, sequences: list[list[int]], maxima: bool, hessians: bool) -> tuple[dict, dict]:
+    """Smoothing's activation maxima and GPTQ's Hessians of the float model, over one pass of uncached forwards."""
+    from pipeline.model.quant.gptq import HessianSums
+    from pipeline.model.quant.smoothing import MaximaRecorder
+    recorder = MaximaRecorder(model) if maxima else None
+    sums = HessianSums(model) if hessians else None
+    try:
+        for ids in sequences:
+            if sums is not None:
+                sums.next_forward()
+            model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        found = recorder.close() if recorder is not None else {}
+        h = sums.close() if sums is not None else {}
+    return found, h

@@ -42,6 +42,29 @@ def test_smoothing_keeps_the_float_function(recipe):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@pytest.mark.parametrize("recipe", ["tiny_llama_xnnpack", "tiny_gemma3_xnnpack"])
+def test_one_pass_gives_the_smoothed_models_hessians(recipe):
+    """The calibrate stage measures maxima and Hessians in one pass and rescales the Hessians by smoothing's divisors:
+    the Hessians of the smoothed model, measured after it (a second pass), up to rounding."""
+    from pipeline.model.quant.gptq import hessians, rescaled
+    from pipeline.stages.calibrate import measure
+    one, two = _model(recipe), _model(recipe)
+    seqs = _sequences(one)
+    with torch.no_grad():
+        maxima, h = measure(one, seqs, maxima=True, hessians=True)
+    scales = {}
+    smooth(one, maxima, 0.5, scales)
+    got = rescaled(h, scales)
+    smooth(two, activation_maxima(two, seqs), 0.5)
+    want = hessians(two, seqs)
+    assert len(scales) == 7 * one.config.get_text_config().num_hidden_layers
+    assert got.keys() == want.keys() and len(got) > len(scales)  # the head's input is not smoothed
+    for key in want:
+        assert (got[key] - want[key]).abs().max() <= 1e-4 * want[key].abs().max(), key
+    assert got["model.layers.0.self_attn.q_proj"] is got["model.layers.0.self_attn.v_proj"]  # one input, one tensor
+    assert not torch.allclose(got["model.layers.0.mlp.down_proj"], h["model.layers.0.mlp.down_proj"])
+
+
 @torch.no_grad()
 def _with_outlier(model, channel=3, factor=100.0):
     """The same function, with one hidden channel of every q/k/v input 100x larger (and its weight columns 100x

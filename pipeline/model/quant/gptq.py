@@ -2,9 +2,10 @@
 spread over the columns not yet rounded, weighted by the Hessian of the layer's loss, H = X^T X over calibration
 inputs X. A weight that rounds badly is made up for by its neighbours on the inputs that move with it.
 
-- Hessians: `hessians` runs the float model (smoothed first, when quantize.smoothing is on, so the inputs are the ones
-  the quantized linears will see) over the calibration text (bench/corpus/calibration.txt) and keeps X^T X / n per
-  linear; linears that read one input share one tensor. The calibrate stage stores them (pipeline/stages/calibrate.py).
+- Hessians: X^T X / n per linear of the float model over the calibration text (bench/corpus/calibration.txt); with
+  quantize.smoothing, of the smoothed model, whose inputs the quantized linears will see (`rescaled`: H / (s s^T),
+  measured in the pass that finds smoothing's maxima); linears that read one input share one tensor. The calibrate
+  stage stores them (pipeline/stages/calibrate.py).
 - Scales: symmetric, as torchao's (amax / ((qmax - qmin) / 2)), per group of `group` columns (0: per row), picked per
   row at the group's first column from the columns as they stand then, among a few clip ratios of the amax: the one
   with the least error weighted by H's diagonal (each input's mean square, the weighting llama.cpp's imatrix uses).
@@ -23,40 +24,72 @@ DAMP = 0.01                   # H's diagonal grows by this fraction of its mean 
 CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
-def hessians(model: nn.Module, sequences: list[list[int]], names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """X^T X / n of each linear's input over uncached forwards of `model` (names: only these linears). Linears that
-    read one tensor (q/k/v, gate/up) share one sum: measured once, stored once."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    owner: dict[str, str] = {}               # linear -> the linear whose sum it shares
-    live: dict[int, tuple] = {}              # this forward's inputs so far (held, so no id is reused meanwhile)
-    hooks = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or (names is not None and name not in names):
-            continue
+class HessianSums:
+    """X^T X of each linear's input, summed by forward pre-hooks while installed (`recording`). Linears that read one
+    tensor (q/k/v, gate/up) share one sum: measured once, stored once."""
 
-        def hook(_, args, key=name):
+    def __init__(self, model: nn.Module, names: set[str] | None = None):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.owner: dict[str, str] = {}          # linear -> the linear whose sum it shares
+        self.live: dict[int, tuple] = {}         # this forward's inputs so far (held, so no id is reused meanwhile)
+        self.hooks = [m.register_forward_pre_hook(self._hook(name)) for name, m in model.named_modules()
+                      if isinstance(m, nn.Linear) and (names is None or name in names)]
+
+    def _hook(self, key: str):
+        def hook(_, args):
             x = args[0]
-            seen = live.get(id(x))
+            seen = self.live.get(id(x))
             if seen is not None and seen[0] is x:
-                owner.setdefault(key, seen[1])
+                self.owner.setdefault(key, seen[1])
                 return
-            live[id(x)] = (x, key)
+            self.live[id(x)] = (x, key)
             flat = x.detach().reshape(-1, x.shape[-1]).float()
-            sums[key] = sums[key] + flat.T @ flat if key in sums else flat.T @ flat
-            counts[key] = counts.get(key, 0) + flat.shape[0]
-        hooks.append(m.register_forward_pre_hook(hook))
+            self.sums[key] = self.sums[key] + flat.T @ flat if key in self.sums else flat.T @ flat
+            self.counts[key] = self.counts.get(key, 0) + flat.shape[0]
+        return hook
+
+    def next_forward(self) -> None:
+        self.live.clear()
+
+    def close(self) -> dict[str, torch.Tensor]:
+        """Removes the hooks; X^T X / n per linear (sharers hold one tensor)."""
+        self.live.clear()
+        for h in self.hooks:
+            h.remove()
+        out = {key: s.div_(self.counts[key]) for key, s in self.sums.items()}
+        out.update({key: out[first] for key, first in self.owner.items() if first in out})
+        return out
+
+
+def hessians(model: nn.Module, sequences: list[list[int]], names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """X^T X / n of each linear's input over uncached forwards of `model` (names: only these linears)."""
+    sums = HessianSums(model, names)
     try:
         with torch.no_grad():
             for ids in sequences:
-                live.clear()
+                sums.next_forward()
                 model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
-        live.clear()
-        for h in hooks:
-            h.remove()
-    out = {key: s.div_(counts[key]) for key, s in sums.items()}
-    out.update({key: out[first] for key, first in owner.items() if first in out})
+        out = sums.close()
+    return out
+
+
+def rescaled(h: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The Hessians of inputs divided channel-wise by `scales` (linear -> its input's divisor, what smoothing folds
+    in): H / (s s^T), so one forward measures both smoothing's maxima and the smoothed model's Hessians. Sharers of
+    one input share its scales: the shared tensor is rescaled once and stays shared."""
+    done: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, t in h.items():
+        s = scales.get(key)
+        if s is None:
+            out[key] = t
+            continue
+        if id(t) not in done:
+            s = s.float()
+            done[id(t)] = t / (s[:, None] * s[None, :])
+        out[key] = done[id(t)]
     return out
 
 

@@ -138,25 +138,37 @@ def groups(model: nn.Module) -> list[Group]:
     return out
 
 
-@torch.no_grad()
-def activation_maxima(model: nn.Module, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Per input channel max |x| of every smoothing group's input, over uncached forwards of a float HF model
-    (experts rewritten); a group whose input never ran (an expert no token reached) has none."""
-    stats: dict[str, torch.Tensor] = {}
-    hooks = []
-    for g in groups(model):
-        def hook(_, args, key=g.key):
+class MaximaRecorder:
+    """Per input channel max |x| of every smoothing group's input, kept by forward pre-hooks while installed; a group
+    whose input never ran (an expert no token reached) has none."""
+
+    def __init__(self, model: nn.Module):
+        self.stats: dict[str, torch.Tensor] = {}
+        self.hooks = [g.hook.register_forward_pre_hook(self._hook(g.key)) for g in groups(model)]
+
+    def _hook(self, key: str):
+        def hook(_, args):
             a = args[0].detach().abs().reshape(-1, args[0].shape[-1]).float()
             if a.shape[0]:
                 a = a.amax(0)
-                stats[key] = torch.maximum(stats[key], a) if key in stats else a
-        hooks.append(g.hook.register_forward_pre_hook(hook))
+                self.stats[key] = torch.maximum(self.stats[key], a) if key in self.stats else a
+        return hook
+
+    def close(self) -> dict[str, torch.Tensor]:
+        for h in self.hooks:
+            h.remove()
+        return self.stats
+
+
+@torch.no_grad()
+def activation_maxima(model: nn.Module, sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+    """The maxima over uncached forwards of a float HF model (experts rewritten)."""
+    recorder = MaximaRecorder(model)
     try:
         for ids in sequences:
             model(input_ids=torch.tensor([ids]), use_cache=False)
     finally:
-        for h in hooks:
-            h.remove()
+        stats = recorder.close()
     return stats
 
 
@@ -182,7 +194,8 @@ def _scale_rows(rows: Rows, s: torch.Tensor) -> None:
         lin.bias[rows.start:stop].div_(s.to(lin.bias.dtype))
 
 
-def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> None:
+def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> torch.Tensor:
+    """Smooths one group; returns what its readers' input channels are divided by."""
     if g.heads is not None:  # o: channel h*d + c reads KV head h // (hq // hkv): one scale per KV channel
         hq, hkv, d = g.heads
         w = _column_max(g.readers).view(hkv, hq // hkv, d).amax(1)
@@ -197,17 +210,22 @@ def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> None:
             _scale_rows(g.rows, s)
     for w in g.readers:
         w.mul_(cols.to(w.dtype))
+    return cols
 
 
 @torch.no_grad()
-def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float) -> int:
+def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float,
+           input_scales: dict[str, torch.Tensor] | None = None) -> int:
     """Fold the smoothing scales into a float HF model (experts rewritten) in place; returns the number of linears
-    (and routers) whose inputs were smoothed."""
+    (and routers) whose inputs were smoothed. `input_scales` (if given) gets, per linear name, what its input is now
+    divided by."""
     offset = archs.of_model(model).norms.offset
+    linear_of = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     smoothed = 0
     for g in groups(model):
         if g.key in maxima:
-            _apply(g, maxima[g.key], alpha, offset)
+            cols = _apply(g, maxima[g.key], alpha, offset)
             smoothed += len(g.readers)
+            if input_scales is not None:
+                input_scales.update({linear_of[id(w)]: cols for w in g.readers if id(w) in linear_of})
     return smoothed
-
