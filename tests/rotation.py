@@ -23,7 +23,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARES = 16
+SHARES = 32
 RECORD = ROOT / "tests" / "slow_tier.json"
 DOC = ROOT / "docs" / "testing.md"
 BEGIN, END = "<!-- slow-tier record: begin -->", "<!-- slow-tier record: end -->"
