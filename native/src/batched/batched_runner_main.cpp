@@ -262,18 +262,172 @@ void emit(std::ofstream* f, const char* tag, const json& j) {
   if (f) *f << line << "\n";
 }
 
+// What the engine is asked for, from the options and the program (its recurrent states: one per session)
+EngineOptions engine_options(const Options& o, LlmProgram& prog, int64_t max_session, int64_t shared_layers) {
+  EngineOptions eo;
+  eo.cache_kind = o.cache_kind == "batched-cell" ? CacheKind::cell : CacheKind::sequence;
+  eo.max_session_tokens = max_session;
+  eo.max_decode_sequences = o.max_decode_sequences;
+  eo.max_new_tokens = o.max_new_tokens;
+  eo.kv_initial_capacity = o.kv_initial();
+  eo.kv_dtype = o.kv_dtype(prog.info().activation_dtype);
+  eo.temperature = o.temperature;
+  eo.top_p = o.top_p;
+  eo.top_k = o.top_k;
+  eo.seed = o.seed;
+  eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
+  eo.shared_layers = shared_layers;
+  eo.speculate = o.speculate;
+  if (prog.has_method("get_state_shapes")) {
+    const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
+    eo.states = offgraph::state_specs(dims.data(), dims.size());
+  }
+  return eo;
+}
+
+// The program's EOS ids and the chat template's turn end (none with --ignore-eos)
+std::unordered_set<int64_t> stop_ids(const Options& o, const ProgramInfo& info, const ChatTemplate& tpl,
+                                     const Tokenizer* tok) {
+  std::unordered_set<int64_t> stops;
+  if (o.ignore_eos) return stops;
+  stops.insert(info.eos_ids.begin(), info.eos_ids.end());
+  if (!tpl.raw && tok) {
+    int32_t te = tok->token_to_id(tpl.turn_end);
+    if (te >= 0) stops.insert(te);
+  }
+  return stops;
+}
+
+// What the run was set up with, for its header and its ENGINE_JSON record
+struct Setup {
+  double load_ms = 0;
+  int threads = 0;
+  int64_t max_session = 0;
+  HugePages huge;
+};
+
+void print_setup(const Options& o, const ProgramInfo& info, const Engine& engine, const Setup& su) {
+  std::fprintf(stderr, "[program] %s | context %lld | chunk %lld | vocab %lld | logits %s | load %.1f ms | threads %d\n",
+               o.pte.c_str(), static_cast<long long>(info.max_context_len), static_cast<long long>(info.max_seq_len),
+               static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), su.load_ms, su.threads);
+  std::fprintf(stderr, "%s\n", engine.describe().c_str());
+  std::fprintf(stderr, "%s\n", describe(su.huge, o.huge_pages).c_str());
+  std::fprintf(stderr,
+               "[scheduler] decode-first | %lld rows per forward | %s (logits '%s') | max %lld sessions, %lld tokens each | "
+               "prefix cache %lld entries\n",
+               static_cast<long long>(info.max_seq_len),
+               engine.full_logits() ? "decode rows of several sessions share a forward" : "one decode row per forward, prompt pieces ride along",
+               logits_mode_name(info.logits_mode),
+               static_cast<long long>(o.max_decode_sequences), static_cast<long long>(su.max_session),
+               static_cast<long long>(o.prefix_cache_entries));
+}
+
+// A generation's text on stdout (unless --quiet), its [gen] line and GEN_JSON, its --out-prefix file
+void print_generation(const Options& o, const Generation& gen, const std::string& text, std::ofstream* stats_file) {
+  if (!o.quiet)
+    std::printf("--- generation %lld (round %d, prompt %d) ---\n%s\n", static_cast<long long>(gen.req.id),
+                gen.req.round, gen.req.prompt, text.c_str());
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "[gen %lld] round %d prompt %d | prompt %zu tok | cached %lld | generated %zu tok (%s) | "
+               "ttft %.1f ms | decode %.2f ms/tok%s%s\n",
+               static_cast<long long>(gen.req.id), gen.req.round, gen.req.prompt, gen.req.ids.size(),
+               static_cast<long long>(gen.cached_tokens), gen.generated.size(), gen.stop_reason.c_str(),
+               gen.ttft_ms, gen.decode_ms_per_token(), gen.ok ? "" : " | error: ", gen.error.c_str());
+  for (const std::string& why : gen.prefix_refusals)
+    std::fprintf(stderr, "[prefix] gen %lld refused a snapshot: %s\n", static_cast<long long>(gen.req.id),
+                 why.c_str());
+  emit(stats_file, "GEN_JSON", gen_json(gen, text));
+  if (!o.out_prefix.empty()) {
+    const std::string path = o.out_prefix + "_" + std::to_string(gen.req.id) + ".txt";
+    std::ofstream f(path, std::ios::trunc);
+    if (!f) throw std::runtime_error("cannot write --out-prefix file '" + path + "'");
+    f << text;
+  }
+}
+
+void print_parity(const json& parity, int64_t rounds) {
+  for (const json& e : parity) {
+    if (e["identical"].get<bool>()) {
+      std::fprintf(stderr, "[parity] prompt %lld: %lld rounds, identical outputs\n",
+                   static_cast<long long>(e["prompt"].get<int64_t>()), static_cast<long long>(rounds));
+      continue;
+    }
+    for (const json& d : e["differences"])
+      std::fprintf(stderr, "[parity] prompt %lld: MISMATCH, round %lld differs from round 0 at token %lld\n",
+                   static_cast<long long>(e["prompt"].get<int64_t>()),
+                   static_cast<long long>(d["round"].get<int64_t>()),
+                   static_cast<long long>(d["first_difference"].get<int64_t>()));
+  }
+}
+
+void print_totals(const Engine& engine, const EngineStats& total) {
+  const PrefixStats& ps = engine.prefix_cache().stats();
+  std::fprintf(stderr,
+               "[prefix] %s | lookups %lld | hits %lld | misses %lld | refusals %lld | inserts %lld | evictions %lld\n",
+               engine.prefix_cache().enabled() ? "on" : "off", static_cast<long long>(ps.lookups),
+               static_cast<long long>(ps.hits), static_cast<long long>(ps.misses), static_cast<long long>(ps.refusals),
+               static_cast<long long>(ps.inserts), static_cast<long long>(ps.evictions));
+  std::fprintf(stderr,
+               "[engine] wall %.1f ms | %lld forwards (%.2f rows avg, %lld max) | prefill %lld tok | decode %lld tok, "
+               "%.1f tok/s over all sessions | peak sessions %lld | K/V peak %.1f KiB | peak rss %.1f MiB\n",
+               total.wall_ms, static_cast<long long>(total.forwards),
+               total.forwards ? static_cast<double>(total.rows) / total.forwards : 0.0,
+               static_cast<long long>(total.max_rows), static_cast<long long>(total.prefill_tokens),
+               static_cast<long long>(total.decode_tokens), total.decode_tok_s(),
+               static_cast<long long>(total.peak_sessions), total.peak_kv_bytes / 1024.0, peak_rss_mib());
+}
+
+int64_t failed(const std::vector<Generation>& all) {
+  int64_t n = 0;
+  for (const Generation& gen : all) n += !gen.ok;
+  return n;
+}
+
+// The ENGINE_JSON line: the totals, the setup, the rounds, parity and the prefix cache's counts
+json engine_record(const Options& o, const ProgramInfo& info, const Engine& engine, const EngineStats& total,
+                   const Setup& su, const json& rounds, const json& parity, const std::vector<Generation>& all) {
+  const PrefixStats& ps = engine.prefix_cache().stats();
+  json e = engine_json(total);
+  e["pte"] = o.pte;
+  e["cache_kind"] = o.cache_kind;
+  e["cache_report"] = engine.describe();
+  e["logits_mode"] = logits_mode_name(info.logits_mode);
+  e["isa"] = isa::active_name();
+  e["shared_decode_forwards"] = engine.full_logits();
+  e["chunk"] = info.max_seq_len;
+  e["max_session_tokens"] = su.max_session;
+  e["max_decode_sequences"] = o.max_decode_sequences;
+  e["prompts"] = o.prompts.size();
+  e["prompt_rounds"] = o.prompt_rounds;
+  e["generations"] = all.size();
+  e["failed"] = failed(all);
+  e["rounds"] = rounds;
+  e["parity"] = parity;
+  e["prefix_cache"] = {{"entries", o.prefix_cache_entries}, {"lookups", ps.lookups}, {"hits", ps.hits},
+                       {"misses", ps.misses}, {"refusals", ps.refusals}, {"inserts", ps.inserts},
+                       {"evictions", ps.evictions}};
+  e["load_ms"] = su.load_ms;
+  e["threads"] = su.threads;
+  e["huge_pages_mib"] = static_cast<double>(su.huge.bytes) / (1 << 20);
+  e["peak_rss_mib"] = peak_rss_mib();
+  return e;
+}
+
 int run(const Options& given) {
   Options o = given;
-  const int threads = cli::set_threads(o.threads);
+  Setup su;
+  su.threads = cli::set_threads(o.threads);
   auto t0 = Clock::now();
   cli::verify_program(o);
   LlmProgram prog(o.pte);
-  const double load_ms = ms_since(t0);
+  su.load_ms = ms_since(t0);
   const ProgramInfo& info = prog.info();
   if (!info.offgraph)
     throw ProgramError("this program keeps its KV cache in the graph (no constant method 'get_n_caches'): "
                        "llm_batched_runner serves off-graph programs (cache.mode=offgraph); use llm_runner");
-  const int64_t max_session = o.max_session_tokens == 0 ? info.max_context_len : o.max_session_tokens;
+  const int64_t max_session = su.max_session =
+      o.max_session_tokens == 0 ? info.max_context_len : o.max_session_tokens;
   if (max_session > info.max_context_len)
     throw UsageError("--max-session-tokens " + std::to_string(max_session) + " exceeds the program's max context " +
                      std::to_string(info.max_context_len) + " (get_max_context_len)");
@@ -303,48 +457,11 @@ int run(const Options& given) {
   std::vector<offgraph::LayerSpec> specs;
   const int64_t chunk = info.max_seq_len;
   for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-  EngineOptions eo;
-  eo.cache_kind = o.cache_kind == "batched-cell" ? CacheKind::cell : CacheKind::sequence;
-  eo.max_session_tokens = max_session;
-  eo.max_decode_sequences = o.max_decode_sequences;
-  eo.max_new_tokens = o.max_new_tokens;
-  eo.kv_initial_capacity = o.kv_initial();
-  eo.kv_dtype = o.kv_dtype(info.activation_dtype);
-  eo.temperature = o.temperature;
-  eo.top_p = o.top_p;
-  eo.top_k = o.top_k;
-  eo.seed = o.seed;
-  eo.prefix_cache_entries = static_cast<size_t>(o.prefix_cache_entries);
-  eo.shared_layers = g.n_shared;
-  eo.speculate = o.speculate;
-  if (prog.has_method("get_state_shapes")) {  // recurrent layers: a state per session
-    const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
-    eo.states = offgraph::state_specs(dims.data(), dims.size());
-  }
-  std::unordered_set<int64_t> stops;
-  if (!o.ignore_eos) {
-    stops.insert(info.eos_ids.begin(), info.eos_ids.end());
-    if (!tpl.raw && tok) {
-      int32_t te = tok->token_to_id(tpl.turn_end);
-      if (te >= 0) stops.insert(te);
-    }
-  }
+  const EngineOptions eo = engine_options(o, prog, max_session, g.n_shared);
+  const std::unordered_set<int64_t> stops = stop_ids(o, info, tpl, tok.get());
   Engine engine(prog, specs, chunk, eo, stops);
-  const HugePages huge = o.huge_pages ? back_with_huge_pages() : HugePages{};
-
-  std::fprintf(stderr, "[program] %s | context %lld | chunk %lld | vocab %lld | logits %s | load %.1f ms | threads %d\n",
-               o.pte.c_str(), static_cast<long long>(info.max_context_len), static_cast<long long>(info.max_seq_len),
-               static_cast<long long>(info.vocab_size), logits_mode_name(info.logits_mode), load_ms, threads);
-  std::fprintf(stderr, "%s\n", engine.describe().c_str());
-  std::fprintf(stderr, "%s\n", describe(huge, o.huge_pages).c_str());
-  std::fprintf(stderr,
-               "[scheduler] decode-first | %lld rows per forward | %s (logits '%s') | max %lld sessions, %lld tokens each | "
-               "prefix cache %lld entries\n",
-               static_cast<long long>(chunk),
-               engine.full_logits() ? "decode rows of several sessions share a forward" : "one decode row per forward, prompt pieces ride along",
-               logits_mode_name(info.logits_mode),
-               static_cast<long long>(o.max_decode_sequences), static_cast<long long>(max_session),
-               static_cast<long long>(o.prefix_cache_entries));
+  if (o.huge_pages) su.huge = back_with_huge_pages();
+  print_setup(o, info, engine, su);
 
   std::unique_ptr<std::ofstream> stats_file;
   if (!o.stats_json.empty()) {
@@ -365,87 +482,17 @@ int run(const Options& given) {
     total.add(st);
     rounds.push_back(engine_json(st));
     for (Generation& gen : gens) {
-      const std::string text = decode_text(tok.get(), gen.generated, stops);
-      if (!o.quiet)
-        std::printf("--- generation %lld (round %d, prompt %d) ---\n%s\n", static_cast<long long>(gen.req.id),
-                    gen.req.round, gen.req.prompt, text.c_str());
-      std::fflush(stdout);
-      std::fprintf(stderr,
-                   "[gen %lld] round %d prompt %d | prompt %zu tok | cached %lld | generated %zu tok (%s) | "
-                   "ttft %.1f ms | decode %.2f ms/tok%s%s\n",
-                   static_cast<long long>(gen.req.id), gen.req.round, gen.req.prompt, gen.req.ids.size(),
-                   static_cast<long long>(gen.cached_tokens), gen.generated.size(), gen.stop_reason.c_str(),
-                   gen.ttft_ms, gen.decode_ms_per_token(), gen.ok ? "" : " | error: ", gen.error.c_str());
-      for (const std::string& why : gen.prefix_refusals)
-        std::fprintf(stderr, "[prefix] gen %lld refused a snapshot: %s\n", static_cast<long long>(gen.req.id),
-                     why.c_str());
-      emit(stats_file.get(), "GEN_JSON", gen_json(gen, text));
-      if (!o.out_prefix.empty()) {
-        const std::string path = o.out_prefix + "_" + std::to_string(gen.req.id) + ".txt";
-        std::ofstream f(path, std::ios::trunc);
-        if (!f) throw std::runtime_error("cannot write --out-prefix file '" + path + "'");
-        f << text;
-      }
+      print_generation(o, gen, decode_text(tok.get(), gen.generated, stops), stats_file.get());
       all.push_back(std::move(gen));
     }
   }
 
   const json parity = parity_json(all, np, o.prompt_rounds);
-  if (o.prompt_rounds > 1)
-    for (const json& e : parity) {
-      if (e["identical"].get<bool>()) {
-        std::fprintf(stderr, "[parity] prompt %lld: %lld rounds, identical outputs\n",
-                     static_cast<long long>(e["prompt"].get<int64_t>()), static_cast<long long>(o.prompt_rounds));
-        continue;
-      }
-      for (const json& d : e["differences"])
-        std::fprintf(stderr, "[parity] prompt %lld: MISMATCH, round %lld differs from round 0 at token %lld\n",
-                     static_cast<long long>(e["prompt"].get<int64_t>()),
-                     static_cast<long long>(d["round"].get<int64_t>()),
-                     static_cast<long long>(d["first_difference"].get<int64_t>()));
-    }
-  const PrefixStats& ps = engine.prefix_cache().stats();
-  int64_t failed = 0;
-  for (const Generation& gen : all) failed += !gen.ok;
-  std::fprintf(stderr,
-               "[prefix] %s | lookups %lld | hits %lld | misses %lld | refusals %lld | inserts %lld | evictions %lld\n",
-               engine.prefix_cache().enabled() ? "on" : "off", static_cast<long long>(ps.lookups),
-               static_cast<long long>(ps.hits), static_cast<long long>(ps.misses), static_cast<long long>(ps.refusals),
-               static_cast<long long>(ps.inserts), static_cast<long long>(ps.evictions));
-  std::fprintf(stderr,
-               "[engine] wall %.1f ms | %lld forwards (%.2f rows avg, %lld max) | prefill %lld tok | decode %lld tok, "
-               "%.1f tok/s over all sessions | peak sessions %lld | K/V peak %.1f KiB | peak rss %.1f MiB\n",
-               total.wall_ms, static_cast<long long>(total.forwards),
-               total.forwards ? static_cast<double>(total.rows) / total.forwards : 0.0,
-               static_cast<long long>(total.max_rows), static_cast<long long>(total.prefill_tokens),
-               static_cast<long long>(total.decode_tokens), total.decode_tok_s(),
-               static_cast<long long>(total.peak_sessions), total.peak_kv_bytes / 1024.0, peak_rss_mib());
-  json e = engine_json(total);
-  e["pte"] = o.pte;
-  e["cache_kind"] = o.cache_kind;
-  e["cache_report"] = engine.describe();
-  e["logits_mode"] = logits_mode_name(info.logits_mode);
-  e["isa"] = isa::active_name();
-  e["shared_decode_forwards"] = engine.full_logits();
-  e["chunk"] = chunk;
-  e["max_session_tokens"] = max_session;
-  e["max_decode_sequences"] = o.max_decode_sequences;
-  e["prompts"] = np;
-  e["prompt_rounds"] = o.prompt_rounds;
-  e["generations"] = all.size();
-  e["failed"] = failed;
-  e["rounds"] = rounds;
-  e["parity"] = parity;
-  e["prefix_cache"] = {{"entries", o.prefix_cache_entries}, {"lookups", ps.lookups}, {"hits", ps.hits},
-                       {"misses", ps.misses}, {"refusals", ps.refusals}, {"inserts", ps.inserts},
-                       {"evictions", ps.evictions}};
-  e["load_ms"] = load_ms;
-  e["threads"] = threads;
-  e["huge_pages_mib"] = static_cast<double>(huge.bytes) / (1 << 20);
-  e["peak_rss_mib"] = peak_rss_mib();
-  emit(stats_file.get(), "ENGINE_JSON", e);
-  if (failed > 0) {
-    std::fprintf(stderr, "error: %lld of %zu generations failed\n", static_cast<long long>(failed), all.size());
+  if (o.prompt_rounds > 1) print_parity(parity, o.prompt_rounds);
+  print_totals(engine, total);
+  emit(stats_file.get(), "ENGINE_JSON", engine_record(o, info, engine, total, su, rounds, parity, all));
+  if (const int64_t n = failed(all); n > 0) {
+    std::fprintf(stderr, "error: %lld of %zu generations failed\n", static_cast<long long>(n), all.size());
     return 1;
   }
   return 0;

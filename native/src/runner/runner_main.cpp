@@ -92,6 +92,99 @@ int run_encode(const Options& o) {
   return 0;
 }
 
+void print_program(const Options& o, const ProgramInfo& info, const Tokenizer* tok, const LoadInfo& li) {
+  std::string eos;
+  for (int64_t id : info.eos_ids) eos += (eos.empty() ? "" : ",") + std::to_string(id);
+  std::fprintf(stderr,
+               "[program] %s | context %lld | chunk %lld | vocab %lld | activations %s | logits %s | "
+               "bos %lld | eos [%s]%s%s\n",
+               o.pte.c_str(), static_cast<long long>(info.max_context_len),
+               static_cast<long long>(info.max_seq_len), static_cast<long long>(info.vocab_size),
+               scalar_type_name(info.activation_dtype), logits_mode_name(info.logits_mode),
+               static_cast<long long>(info.bos_id), eos.c_str(),
+               info.has_recipe_hash ? " | recipe_hash " : "",
+               info.has_recipe_hash ? info.recipe_hash.c_str() : "");
+  if (tok)
+    std::fprintf(stderr, "[tokenizer] %s | %lld ids | loaded in %.1f ms\n", o.tokenizer.c_str(),
+                 static_cast<long long>(tok->vocab_size()), li.tokenizer_ms);
+}
+
+// The runtime-owned cache --kv-max-capacity asks for (an off-graph program), sized from the program's geometry
+std::unique_ptr<KvCacheOwner> offgraph_cache(const Options& o, LlmProgram& prog, int64_t chunk) {
+  if (!prog.info().offgraph)
+    throw ProgramError("--kv-max-capacity selects the off-graph KV cache, but this program keeps its "
+                       "cache in the graph (no constant method 'get_n_caches'); drop --kv-* flags");
+  LlmProgram::CacheGeometry g = prog.cache_geometry();
+  // --kv-windows changes the policy only: the prefill chunk stays as exported, a ring holds window + chunk - 1
+  const std::vector<int64_t> windows = o.windows(g.windows);
+  std::vector<offgraph::LayerSpec> specs;
+  for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
+  auto owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk, o.kv_initial(),
+                                                    o.kv_dtype(prog.info().activation_dtype), g.n_shared);
+  if (prog.has_method("get_state_shapes")) owner->set_states(prog.read_int_list("get_state_shapes"));
+  prog.set_position_limit(o.kv_max_capacity);
+  return owner;
+}
+
+// The bookkeeping of a program that keeps its cache in the graph: its rings and recurrent states, if any
+std::unique_ptr<KvCacheOwner> in_graph_cache(LlmProgram& prog) {
+  if (prog.info().offgraph)
+    throw ProgramError("this program keeps its KV cache off-graph (it has 'get_n_caches'): run it with "
+                       "--kv-max-capacity N (positions to hold)");
+  std::vector<InGraphCache::Ring> rings;
+  if (prog.has_method("get_ring_slots")) {  // a custom-mode program with sliding-window rings
+    std::vector<int64_t> w = prog.read_int_list("get_ring_windows"), s = prog.read_int_list("get_ring_slots");
+    if (w.size() != s.size()) throw ProgramError("get_ring_windows and get_ring_slots differ in length");
+    for (size_t l = 0; l < w.size(); ++l) rings.push_back({w[l], s[l]});
+  }
+  InGraphCache::Layers layers;
+  if (prog.has_method("get_layer_kinds")) {  // recurrent layers: their state is the program's
+    layers.kinds = prog.read_int_list("get_layer_kinds");
+    const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
+    layers.states = offgraph::state_specs(dims.data(), dims.size());
+  }
+  return std::make_unique<InGraphCache>(prog.info().max_context_len, std::move(rings), std::move(layers));
+}
+
+// --json-schema / --grammar, compiled now: a bad schema is refused before any token
+std::unique_ptr<GrammarSidecar> grammar_sidecar(const Options& o, const ProgramInfo& info) {
+  if (o.json_schema.empty() && o.grammar.empty()) return nullptr;
+  const char* py = std::getenv("LLMPIPE_PYTHON");
+  return std::make_unique<GrammarSidecar>(py && *py ? py : "python3", o.tokenizer, info.vocab_size,
+                                          o.json_schema.empty() ? "--grammar" : "--json-schema",
+                                          o.json_schema.empty() ? o.grammar : o.json_schema);
+}
+
+// The program's EOS ids and the chat template's turn end stop a turn (unless --ignore-eos)
+void add_stops(Runner& runner, const Options& o, const ProgramInfo& info, const ChatTemplate& tpl,
+               const Tokenizer* tok) {
+  if (o.ignore_eos) return;
+  for (int64_t id : info.eos_ids) runner.add_stop(id);
+  if (tpl.raw || !tok) return;
+  int32_t te = tok->token_to_id(tpl.turn_end);
+  if (te >= 0) runner.add_stop(te);
+  else
+    std::fprintf(stderr, "[warning] the tokenizer has no '%s' token (template %s)\n",
+                 tpl.turn_end.c_str(), tpl.name.c_str());
+}
+
+// One turn on --prompt or --prompt-ids, then the report
+int run_prompt(const Options& o, const ChatTemplate& tpl, const Tokenizer* tok, const ProgramInfo& info,
+               const LoadInfo& li, KvCacheOwner& cache, Runner& runner) {
+  std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids) : encode_turn(*tok, tpl, o.prompt, true);
+  // an empty --prompt-ids is refused while parsing; a text that encodes to nothing is the tokenizer's doing
+  if (ids.empty()) throw ProgramError("the prompt encodes to no tokens (tokenizer '" + o.tokenizer + "')");
+  cli::check_prompt_ids(ids, info.vocab_size);
+  if (static_cast<int64_t>(ids.size()) > cache.capacity())
+    throw ProgramError("the prompt has " + std::to_string(ids.size()) +
+                       " tokens but the " + (info.offgraph ? "KV cache" : "program's context") +
+                       " holds " + std::to_string(cache.capacity()));
+  TurnResult r = runner.run(ids, -1);
+  if (o.compare_plain) compare_plain(runner, cache, ids, o, &r);
+  report(o, info, li, r, cache, 0);
+  return 0;
+}
+
 int run(const Options& given) {
   if (given.encode) return run_encode(given);
   Options o = given;
@@ -114,55 +207,11 @@ int run(const Options& given) {
   const ChatTemplate tpl = chat_template(o.chat);
   li.rss_load = rss_mib();
   li.threads = cli::thread_count();
+  print_program(o, info, tok.get(), li);
 
-  std::string eos;
-  for (int64_t id : info.eos_ids) eos += (eos.empty() ? "" : ",") + std::to_string(id);
-  std::fprintf(stderr,
-               "[program] %s | context %lld | chunk %lld | vocab %lld | activations %s | logits %s | "
-               "bos %lld | eos [%s]%s%s\n",
-               o.pte.c_str(), static_cast<long long>(info.max_context_len),
-               static_cast<long long>(info.max_seq_len), static_cast<long long>(info.vocab_size),
-               scalar_type_name(info.activation_dtype), logits_mode_name(info.logits_mode),
-               static_cast<long long>(info.bos_id), eos.c_str(),
-               info.has_recipe_hash ? " | recipe_hash " : "",
-               info.has_recipe_hash ? info.recipe_hash.c_str() : "");
-  if (tok)
-    std::fprintf(stderr, "[tokenizer] %s | %lld ids | loaded in %.1f ms\n", o.tokenizer.c_str(),
-                 static_cast<long long>(tok->vocab_size()), li.tokenizer_ms);
-  std::unique_ptr<KvCacheOwner> cache_owner;
-  int64_t chunk = info.max_seq_len;
-  if (o.kv_max_capacity > 0) {
-    if (!info.offgraph)
-      throw ProgramError("--kv-max-capacity selects the off-graph KV cache, but this program keeps its "
-                         "cache in the graph (no constant method 'get_n_caches'); drop --kv-* flags");
-    LlmProgram::CacheGeometry g = prog.cache_geometry();
-    // --kv-windows changes the policy only: the prefill chunk stays as exported, a ring holds window + chunk - 1
-    const std::vector<int64_t> windows = o.windows(g.windows);
-    std::vector<offgraph::LayerSpec> specs;
-    for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-    auto owner = std::make_unique<OffgraphCacheOwner>(std::move(specs), o.kv_max_capacity, chunk, o.kv_initial(),
-                                                      o.kv_dtype(info.activation_dtype), g.n_shared);
-    if (prog.has_method("get_state_shapes")) owner->set_states(prog.read_int_list("get_state_shapes"));
-    cache_owner = std::move(owner);
-    prog.set_position_limit(o.kv_max_capacity);
-  } else {
-    if (info.offgraph)
-      throw ProgramError("this program keeps its KV cache off-graph (it has 'get_n_caches'): run it with "
-                         "--kv-max-capacity N (positions to hold)");
-    std::vector<InGraphCache::Ring> rings;
-    if (prog.has_method("get_ring_slots")) {  // a custom-mode program with sliding-window rings
-      std::vector<int64_t> w = prog.read_int_list("get_ring_windows"), s = prog.read_int_list("get_ring_slots");
-      if (w.size() != s.size()) throw ProgramError("get_ring_windows and get_ring_slots differ in length");
-      for (size_t l = 0; l < w.size(); ++l) rings.push_back({w[l], s[l]});
-    }
-    InGraphCache::Layers layers;
-    if (prog.has_method("get_layer_kinds")) {  // recurrent layers: their state is the program's
-      layers.kinds = prog.read_int_list("get_layer_kinds");
-      const std::vector<int64_t> dims = prog.read_int_list("get_state_shapes");
-      layers.states = offgraph::state_specs(dims.data(), dims.size());
-    }
-    cache_owner = std::make_unique<InGraphCache>(info.max_context_len, std::move(rings), std::move(layers));
-  }
+  const int64_t chunk = info.max_seq_len;
+  std::unique_ptr<KvCacheOwner> cache_owner = o.kv_max_capacity > 0 ? offgraph_cache(o, prog, chunk)
+                                                                     : in_graph_cache(prog);
   KvCacheOwner& cache = *cache_owner;
   if (o.huge_pages) li.huge = back_with_huge_pages();
   std::fprintf(stderr, "%s\n", cache.describe().c_str());
@@ -171,46 +220,16 @@ int run(const Options& given) {
                li.load_ms, li.threads);
 
   if (o.speculate.on) check_speculation(o, prog, cache, chunk);
-  std::unique_ptr<GrammarSidecar> grammar;
-  if (!o.json_schema.empty() || !o.grammar.empty()) {  // compiled now: a bad schema is refused before any token
-    const char* py = std::getenv("LLMPIPE_PYTHON");
-    grammar = std::make_unique<GrammarSidecar>(py && *py ? py : "python3", o.tokenizer, info.vocab_size,
-                                               o.json_schema.empty() ? "--grammar" : "--json-schema",
-                                               o.json_schema.empty() ? o.grammar : o.json_schema);
-  }
+  std::unique_ptr<GrammarSidecar> grammar = grammar_sidecar(o, info);
   Runner runner(o, prog, cache, tok.get(), chunk);
   runner.set_grammar(grammar.get());
-  for (int64_t id : info.eos_ids)
-    if (!o.ignore_eos) runner.add_stop(id);
-  if (!tpl.raw && tok && !o.ignore_eos) {
-    int32_t te = tok->token_to_id(tpl.turn_end);
-    if (te >= 0) runner.add_stop(te);
-    else
-      std::fprintf(stderr, "[warning] the tokenizer has no '%s' token (template %s)\n",
-                   tpl.turn_end.c_str(), tpl.name.c_str());
-  }
+  add_stops(runner, o, info, tpl, tok.get());
   if (o.warmup) {
     auto tw = Clock::now();
     runner.warmup();
     std::fprintf(stderr, "[warmup] %.1f ms\n", ms_since(tw));
   }
-
-  if (!o.interactive) {
-    std::vector<int64_t> ids = o.has_prompt_ids ? parse_ids(o.prompt_ids)
-                                                : encode_turn(*tok, tpl, o.prompt, true);
-    // an empty --prompt-ids is refused while parsing; a text that encodes to nothing is the tokenizer's doing
-    if (ids.empty()) throw ProgramError("the prompt encodes to no tokens (tokenizer '" + o.tokenizer + "')");
-    cli::check_prompt_ids(ids, info.vocab_size);
-    if (static_cast<int64_t>(ids.size()) > cache.capacity())
-      throw ProgramError("the prompt has " + std::to_string(ids.size()) +
-                         " tokens but the " + (info.offgraph ? "KV cache" : "program's context") +
-                         " holds " + std::to_string(cache.capacity()));
-    TurnResult r = runner.run(ids, -1);
-    if (o.compare_plain) compare_plain(runner, cache, ids, o, &r);
-    report(o, info, li, r, cache, 0);
-    return 0;
-  }
-
+  if (!o.interactive) return run_prompt(o, tpl, tok.get(), info, li, cache, runner);
   run_interactive(o, tpl, *tok, info, li, cache, runner);
   return 0;
 }
