@@ -203,7 +203,8 @@ def decompose_for(ep, partitioners: list):
 @contextlib.contextmanager
 def lean_edge():
     """For the span: the decomposed program's functionalization is skipped, the edge passes are chained, the dim
-    order pass runs where it can act, delegate calls are re-traced by shape. Use with decompose_for(ep, partitioners) before to_edge_transform_and_lower."""
+    order pass runs where it can act, delegate calls are re-traced by shape. Use with decompose_for(ep, partitioners)
+    before to_edge_transform_and_lower."""
     run_decompositions = torch.export.ExportedProgram.run_decompositions
 
     def skip_functionalizing_twice(self, decomp_table=None, *args, **kwargs):

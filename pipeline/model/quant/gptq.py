@@ -25,7 +25,7 @@ CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 class HessianSums:
-    """X^T X of each linear's input, summed by forward pre-hooks while installed (`recording`). Linears that read one
+    """X^T X of each linear's input, summed by forward pre-hooks from construction until `close`. Linears that read one
     tensor (q/k/v, gate/up) share one sum: measured once, stored once."""
 
     def __init__(self, model: nn.Module, names: set[str] | None = None):
@@ -78,18 +78,18 @@ def hessians(model: nn.Module, sequences: list[list[int]], names: set[str] | Non
 def rescaled(h: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The Hessians of inputs divided channel-wise by `scales` (linear -> its input's divisor, what smoothing folds
     in): H / (s s^T), so one forward measures both smoothing's maxima and the smoothed model's Hessians. Sharers of
-    one input share its scales: the shared tensor is rescaled once and stays shared."""
-    done: dict[int, torch.Tensor] = {}
+    one input share its scales (one tensor, from one smoothing group): the shared sum is rescaled once, stays shared."""
+    done: dict[tuple[int, int], torch.Tensor] = {}
     out = {}
     for key, t in h.items():
         s = scales.get(key)
         if s is None:
             out[key] = t
             continue
-        if id(t) not in done:
-            s = s.float()
-            done[id(t)] = t / (s[:, None] * s[None, :])
-        out[key] = done[id(t)]
+        if (id(t), id(s)) not in done:
+            f = s.float()
+            done[id(t), id(s)] = t / (f[:, None] * f[None, :])
+        out[key] = done[id(t), id(s)]
     return out
 
 
