@@ -44,7 +44,7 @@ class Backend(Protocol):
         """(partitioners, transform passes) for to_edge_transform_and_lower."""
 
     def lowering(self):
-        """A context manager around that lowering (XNNPACK: its lean preprocess)."""
+        """A context manager around that lowering (XNNPACK: its lean partitioning and preprocess)."""
 
     def executorch_config(self, cfg):
         """The ExecutorchBackendConfig of to_executorch."""

@@ -2,6 +2,7 @@
 ones silently drop the scales of weight-only quantized linears)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from pipeline.config import v
@@ -107,10 +108,14 @@ def partition():
     return [partitioner()], [split_weight_only_linear_bias, delegable_glue]
 
 
+@contextlib.contextmanager
 def lowering():
-    """Preprocess without the XNNPACK passes that cannot change a partition (lean_preprocess.py)."""
+    """Partitioning without look-ups that grow with the square of the graph (lean_partition.py), preprocess without the
+    XNNPACK passes that cannot change a partition (lean_preprocess.py)."""
+    from pipeline.backends.xnnpack.lean_partition import lean_partition
     from pipeline.backends.xnnpack.lean_preprocess import lean_preprocess
-    return lean_preprocess()
+    with lean_partition(), lean_preprocess() as stats:
+        yield stats
 
 
 def executorch_config(cfg):
