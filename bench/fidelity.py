@@ -148,6 +148,7 @@ def program_engine(manifest: dict):
 def measure(model: str, args) -> list[dict]:
     from transformers import AutoTokenizer
 
+    from pipeline.corpus import heldout_chunks
     from pipeline.fidelity import corpus_chunks, hf_logits, score
     from pipeline.model.loading import load_hf_model
     only = args.only.split(",") if args.only else None
@@ -156,7 +157,7 @@ def measure(model: str, args) -> list[dict]:
     hf = load_hf_model(first["model_dir"])
     params = sum(p.numel() for p in hf.parameters())
     tok = AutoTokenizer.from_pretrained(first["model_dir"])
-    chunks = corpus_chunks(tok, args.ctx, args.chunks)
+    domains = heldout_chunks(tok, args.ctx, args.chunks)
     engines, rows = {}, {}
     for name, m in builds.items():
         engines[name] = program_engine(m)
@@ -168,17 +169,31 @@ def measure(model: str, args) -> list[dict]:
         engines[key] = llama_engine(path, args.ctx, args.threads)
         rows[key] = {"engine": "llama.cpp", "build": name, "bits_per_weight": path.stat().st_size * 8 / params}
     if args.speed:
-        ids = [i for c in chunks for i in c][:SPEED_PROMPT]
+        ids = [i for c in corpus_chunks(tok, args.ctx, 1) for i in c][:SPEED_PROMPT]
         jobs = {**{name: ("ours", m) for name, m in builds.items()},
                 **{f"llama.cpp {name}": ("llama.cpp", path) for name, path in files.items()}}
         for key, tok_s in decode_speeds(jobs, ids, args.threads).items():
             rows[key]["decode_tok_s"] = tok_s
     t0 = time.perf_counter()
-    figures = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
-                    progress=lambda xs: _progress(xs, model))
-    print(f"[{model}] scored {len(engines)} engines on {figures[next(iter(figures))]['tokens']} tokens "
-          f"in {time.perf_counter() - t0:.0f} s", flush=True)
-    return [{**rows[name], **figures[name]} for name in engines]
+    figures = {name: {} for name in engines}
+    for domain, chunks in domains.items():
+        got = score(lambda chunk: hf_logits(hf, chunk), engines, chunks,
+                    progress=lambda xs: _progress(xs, f"{model} {domain}"))
+        for name in engines:
+            figures[name][domain] = got[name]
+    print(f"[{model}] scored {len(engines)} engines on {len(domains)} held-out domains in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return [{**rows[name], **summary(figures[name])} for name in engines]
+
+
+def summary(per_domain: dict) -> dict:
+    """A row's figures over the held-out domains: each domain's, their mean, and the worst domain's."""
+    kld = {d: f["kld_mean"] for d, f in per_domain.items()}
+    top1 = {d: f["same_top1"] for d, f in per_domain.items()}
+    worst = max(kld, key=kld.get)
+    return {"domains": per_domain, "tokens": sum(f["tokens"] for f in per_domain.values()),
+            "kld_mean": sum(kld.values()) / len(kld), "kld_worst": kld[worst], "worst_domain": worst,
+            "same_top1": sum(top1.values()) / len(top1), "same_top1_worst": min(top1.values())}
 
 
 def remeasure_speed(model: str, rows: list[dict], args) -> list[dict]:
@@ -193,7 +208,7 @@ def remeasure_speed(model: str, rows: list[dict], args) -> list[dict]:
         return rows
     built = {r["build"]: build(BUILDS[model][r["build"]]) for r in ours}  # every build before any timing
     first = next(iter(built.values()))
-    ids = [i for c in corpus_chunks(AutoTokenizer.from_pretrained(first["model_dir"]), args.ctx, args.chunks)
+    ids = [i for c in corpus_chunks(AutoTokenizer.from_pretrained(first["model_dir"]), args.ctx, 1)
            for i in c][:SPEED_PROMPT]
     files = {} if args.no_llama_cpp else llama_files(first, model)
     jobs = {**{("ours", name): ("ours", m) for name, m in built.items()},
@@ -234,17 +249,17 @@ def plot(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         for r in results[model]:
-            if r["kld_mean"] <= 0 or r["bits_per_weight"] > 20:
+            if r["kld_worst"] <= 0 or r["bits_per_weight"] > 20:
                 continue  # the float reference, and fp32 builds, off the chart
             color = plt.cm.viridis(norm(r["decode_tok_s"])) if r.get("decode_tok_s") else "lightgrey"
-            ax.scatter(r["bits_per_weight"], r["kld_mean"], s=70, color=color, edgecolors="black",
+            ax.scatter(r["bits_per_weight"], r["kld_worst"], s=70, color=color, edgecolors="black",
                        marker="o" if r["engine"] == "ours" else "s")
             label = r["build"] if r["engine"] != "ours" else r["build"].split(" (")[0][:28]
-            ax.annotate(label, (r["bits_per_weight"], r["kld_mean"]), fontsize=6, xytext=(4, 3),
+            ax.annotate(label, (r["bits_per_weight"], r["kld_worst"]), fontsize=6, xytext=(4, 3),
                         textcoords="offset points")
         ax.set_yscale("log")
         ax.set_xlabel("file bits / weight")
-        ax.set_ylabel("KLD mean vs the float model")
+        ax.set_ylabel("KLD vs the float model, worst held-out domain")
         ax.set_title(f"{model}: circles ours, squares llama.cpp")
         ax.grid(alpha=0.3)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axes[0].tolist(),
@@ -271,14 +286,18 @@ def ordered(model: str, rows: list[dict]) -> list[dict]:
 
 
 def table(model: str, rows: list[dict]) -> str:
-    head = "| engine | build | bits/weight | KLD mean | median | p99 | max | same top-1 | RMS dp | PPL | PPL float |"
-    head += " decode tok/s |"
-    lines = [f"### {model}", "", head, "|" + "---|" * 12]
+    """One row per build: KLD on each held-out domain (the worst in bold), their mean and worst, same top-1."""
+    domains = list(rows[0]["domains"]) if rows else []
+    head = ("| engine | build | bits/weight | " + " | ".join(f"KLD {d}" for d in domains) +
+            " | KLD mean | KLD worst | top-1 mean | top-1 worst | decode tok/s |")
+    lines = [f"### {model}", "", head, "|" + "---|" * (len(domains) + 8)]
     for r in rows:
         speed = f"{r['decode_tok_s']:.0f}" if r.get("decode_tok_s") else "-"
-        lines.append(f"| {r['engine']} | {r['build']} | {r['bits_per_weight']:.2f} | {r['kld_mean']:.4f} | "
-                     f"{r['kld_median']:.4f} | {r['kld_p99']:.3f} | {r['kld_max']:.2f} | {100 * r['same_top1']:.1f} % | "
-                     f"{100 * r['rms_dp']:.2f} % | {r['ppl']:.3f} | {r['ppl_float']:.3f} | {speed} |")
+        cells = [(f"**{r['domains'][d]['kld_mean']:.4f}**" if d == r["worst_domain"] else
+                  f"{r['domains'][d]['kld_mean']:.4f}") for d in domains]
+        lines.append(f"| {r['engine']} | {r['build']} | {r['bits_per_weight']:.2f} | " + " | ".join(cells) +
+                     f" | {r['kld_mean']:.4f} | {r['kld_worst']:.4f} ({r['worst_domain']}) | "
+                     f"{100 * r['same_top1']:.1f} % | {100 * r['same_top1_worst']:.1f} % | {speed} |")
     return "\n".join(lines)
 
 
@@ -286,7 +305,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored")
-    ap.add_argument("--chunks", type=int, default=16, help="chunks of the corpus (16 x 256 = 4096 scored tokens)")
+    ap.add_argument("--chunks", type=int, default=4,
+                    help="chunks of each held-out domain (4 x 256 = 1024 scored tokens a domain)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", help="only our builds whose name contains one of these (comma-separated)")
     ap.add_argument("--no-llama-cpp", action="store_true")
@@ -301,6 +321,7 @@ def main() -> None:
     args = ap.parse_args()
     out = ROOT / "outputs" / "bench" / "fidelity.json"
     results = json.loads(out.read_text()) if out.exists() else {}
+    results = {m: [r for r in rows if "domains" in r] for m, rows in results.items()}  # the one-corpus rows: gone
     if args.speed_only:
         for model in args.models.split(","):
             results[model] = remeasure_speed(model, results.get(model, []), args)

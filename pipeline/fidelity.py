@@ -23,28 +23,13 @@ import torch.nn.functional as F
 from pipeline import paths
 
 CORPUS = paths.ROOT / "bench" / "corpus" / "python-reference.txt"
-# other topics of the same reference: what calibrates quantization (quantize.smoothing), never scored
-CALIBRATION = paths.ROOT / "bench" / "corpus" / "calibration.txt"
-
-
-def calibration_ids(tokenizer, n_ctx: int = 512, text: Path = CALIBRATION) -> list[list[int]]:
-    """The calibration text as sequences of at most n_ctx token ids."""
-    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
-    return [ids[i:i + n_ctx] for i in range(0, len(ids), n_ctx)]
 
 
 def corpus_chunks(tokenizer, n_ctx: int, n_chunks: int | None = None, corpus: Path = CORPUS) -> list[list[int]]:
     """The corpus as chunks of n_ctx token ids, each opening with BOS when the tokenizer adds one."""
-    ids = tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"]
-    probe = tokenizer("a")["input_ids"]
-    bos = [probe[0]] if tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id else []
-    body = n_ctx - len(bos)
-    chunks = [bos + ids[i:i + body] for i in range(0, len(ids) - body + 1, body)]
-    if n_chunks is not None:
-        if len(chunks) < n_chunks:
-            raise ValueError(f"the corpus holds {len(chunks)} chunks of {n_ctx} tokens, {n_chunks} asked for")
-        chunks = chunks[:n_chunks]
-    return chunks
+    from pipeline.corpus import chunks_of
+    return chunks_of(tokenizer, tokenizer(corpus.read_text(), add_special_tokens=False)["input_ids"], n_ctx, n_chunks,
+                     corpus.name)
 
 
 def scored_range(n_ctx: int) -> tuple[int, int]:

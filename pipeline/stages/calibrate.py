@@ -3,12 +3,12 @@ quantize stage, so a sweep over schemes reuses it.
 
     python -m pipeline quantize.algorithm=gptq          # the default build, its linears rounded by GPTQ
 
-Over the calibration text (bench/corpus/calibration.txt, which nothing scores): the activation maxima smoothing
-divides by (quantize.smoothing), and with quantize.algorithm=gptq each linear's Hessian X^T X / n of the smoothed
-model (pipeline/model/quant/gptq.py): measured in the same pass as the maxima and rescaled by smoothing's divisors,
+Over the calibration set (pipeline/corpus.py: eight domains of bench/corpus, chats through the model's own template;
+no held-out text): the activation maxima smoothing divides by (quantize.smoothing), and with quantize.algorithm=gptq
+each linear's Hessian X^T X / n of the smoothed model (pipeline/model/quant/gptq.py): measured in the same pass as the maxima and rescaled by smoothing's divisors,
 H / (s s^T), as the smoothed model computes the same function; with quantize.target_bpw each planned linear's KLD
-cost at each scheme the backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"},
-any may be empty) and calibration.json.
+cost at each scheme the backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima",
+"hessians", "sensitivity"}, any may be empty) and calibration.json, which names the files it read by sha256.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from pipeline.config import v
 from pipeline.report.progress import spinner
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "calibrate", 2  # 2: one pass for maxima and Hessians
+NAME, VERSION = "calibrate", 3  # 2: one pass for maxima and Hessians; 3: the calibration set of eight domains
 AFTER = ("download", "wrap")
-SOURCES = ("bench/corpus/calibration.txt",)
+SOURCES = ("bench/corpus/corpus.json", "bench/corpus/calibration", "bench/corpus/calibration.txt")
 CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm", "quantize.target_bpw", "quantize.overrides",
                "backend.name")
 
@@ -48,7 +48,7 @@ def run(ctx) -> dict:
     if needed(q):
         from transformers import AutoTokenizer
 
-        from pipeline.fidelity import calibration_ids
+        from pipeline.corpus import calibration_ids, calibration_record
         from pipeline.model.layers.exportable import make_exportable
         from pipeline.model.loading import load_hf_model
         from pipeline.model.quant.gptq import rescaled
@@ -56,6 +56,7 @@ def run(ctx) -> dict:
         model_dir = ctx.inputs["download"] / "model"
         sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
         report["calibration_tokens"] = sum(map(len, sequences))
+        report["calibration_files"] = calibration_record()
         model = load_hf_model(model_dir)
         make_exportable(model)
         with torch.no_grad():

@@ -2,7 +2,7 @@
 
 - Sensitivity (the calibrate stage, `sensitivities`): for each linear the plan may move and each scheme the backend
   offers it (its PLAN_CANDIDATES), the KLD of the float model with that one linear quantized against the float model,
-  over positions of the calibration text (bench/corpus/calibration.txt, never scored).
+  over positions of the calibration set (pipeline/corpus.py, never scored).
 - Allocation (the quantize stage, `allocate`): every linear starts at its cheapest candidate; then, while the
   program's predicted bits/weight stay within the target, the upgrade that saves the most KLD per extra bit is taken.
   The predicted KLD is the sum of the chosen costs: each was measured alone, and small costs add, to first order.

@@ -2,7 +2,7 @@
 spread over the columns not yet rounded, weighted by the Hessian of the layer's loss, H = X^T X over calibration
 inputs X. A weight that rounds badly is made up for by its neighbours on the inputs that move with it.
 
-- Hessians: X^T X / n per linear of the float model over the calibration text (bench/corpus/calibration.txt); with
+- Hessians: X^T X / n per linear of the float model over the calibration set (pipeline/corpus.py); with
   quantize.smoothing, of the smoothed model, whose inputs the quantized linears will see (`rescaled`: H / (s s^T),
   measured in the pass that finds smoothing's maxima); linears that read one input share one tensor. The calibrate
   stage stores them (pipeline/stages/calibrate.py).

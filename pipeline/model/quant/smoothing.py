@@ -13,8 +13,8 @@ A mixture-of-experts router reads the MLP's input too: its columns take the scal
 The float model computes the same function (up to rounding). Only what quantization loses changes.
 SmolLM2-135M 8da4w + hqq, eager: corpus KLD 0.31 -> 0.19 at alpha 0.5 (docs/fidelity.md, `python bench/fidelity.py`).
 
-The maxima come from calibration text (bench/corpus/calibration.txt: other topics of the reference the fidelity
-corpus comes from), which neither fidelity nor verify scores.
+The maxima come from the calibration set (pipeline/corpus.py: eight domains, none of them held out), which neither
+the fidelity bench nor verify scores.
 """
 from __future__ import annotations
 
