@@ -1,24 +1,27 @@
-"""How far each build sits from the float model, on the fixed corpus, beside llama.cpp's formats of the same source.
+"""How far each build sits from the float model on six held-out domains, beside llama.cpp's formats of the same source.
 
-    python bench/fidelity.py                                  # both models, every row below (about an hour cold)
-    python bench/fidelity.py --models smollm2 --chunks 8      # one model, half the tokens
+    python bench/fidelity.py                                  # both models, every row below (hours cold)
+    python bench/fidelity.py --models smollm2 --chunks 2      # one model, half the tokens
     python bench/fidelity.py --no-llama-cpp                   # our builds only
     python bench/fidelity.py --speed --plot                   # + decode tok/s of each row, and the frontier picture
     python bench/fidelity.py --speed-only --plot              # decode tok/s of the last results' rows again
     python bench/fidelity.py --plot-only                      # the picture of the last results, measuring nothing
 
-Figures per row (pipeline/fidelity.py, the form of llama-perplexity --kl-divergence): KLD of the engine's next-token
-distribution against the float model's (the GGUF dequantized by transformers, fp32) on the same tokens: mean,
-median, 99th percentile, max; same top-1 %; RMS of delta-p; perplexity of the engine and of the float model.
+The domains (bench/corpus/README.md; pipeline/corpus.py): narrative, French, chat turns through the chat template,
+code, legal and technical prose. None is in the calibration set, and scoring is refused while one shares a line
+with it. Each domain gives --chunks chunks of --ctx tokens, the second half of each scored (pipeline/fidelity.py,
+the form of llama-perplexity --kl-divergence): KLD of the engine's next-token distribution against the float
+model's (the GGUF dequantized by transformers, fp32) on the same tokens, and same top-1 %, per domain; a row's mean
+over the domains and its worst domain.
 - ours: the built program in its runtime, stepped token by token as a decode runs (not the eager module);
-- llama.cpp (`pip install -e ".[bench]"`): the model's own GGUF, and requantizations of it (Q8_0, Q4_0, Q4_K_M)
-  through llama_model_quantize with requantize allowed, all scored on the same token ids.
+- llama.cpp (`pip install -e ".[bench]"`): the model's own GGUF, and requantizations of it (Q8_0, Q4_0, Q4_K_M,
+  Q5_K_M, Q6_K) through llama_model_quantize with requantize allowed, all scored on the same token ids.
 bits_per_weight: the file's bytes x 8 / the model's parameters (a tied embedding counts once, as the model holds it).
 --speed: decode tok/s at 2 threads after the same 400-token prompt (100 tokens, greedy, EOS ignored): ours in the C++
 runner, llama.cpp through llama-cpp-python, each in a process of its own, the median of 5 rounds that run every row
-once (with --speed-only, --only NAME,NAME limits our rows; llama.cpp's are timed beside them). --plot: KLD against
-bits/weight, one point a row, decode speed as the colour, both models (outputs/bench/fidelity.png;
-docs/img/frontier.png with --docs).
+once (with --speed-only, --only NAME,NAME limits our rows; llama.cpp's are timed beside them). --plot: KLD on the
+worst domain against bits/weight, one point a row, decode speed as the colour, both models
+(outputs/bench/fidelity.png; docs/img/frontier.png with --docs).
 Writes outputs/bench/fidelity.json and prints one Markdown table per model.
 """
 from __future__ import annotations
@@ -74,6 +77,7 @@ BUILDS = {
                                    "quantize.source_grid=true"],
         "8w weight-only per channel, 8-bit embedding = lm_head": ["recipe=smollm2_custom", "quantize=8w"],
         "8w hqq weight-only per channel, 8-bit embedding = lm_head (smollm2_8w_hqq)": ["recipe=smollm2_8w_hqq"],
+        "8w gptq weight-only per channel, 8-bit embedding = lm_head (smollm2_8w_gptq)": ["recipe=smollm2_8w_gptq"],
         "8da8w hqq smoothed, 8-bit embedding = lm_head, K/V in fp16": [
             *MIXED, "quantize.linear=8da8w", "quantize.linear_group_size=0", "quantize.overrides=[]", "cache.kv_dtype=fp16"],
         "MLX 4w, the file's Q4_1 + Q8_0 grid carried (llama_mlx_int4)": [
@@ -98,8 +102,6 @@ BUILDS = {
 # llama.cpp's file types (llama_ftype) for llama_model_quantize
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
 SPEED_PROMPT, SPEED_NEW, SPEED_ROUNDS = 400, 100, 5
-COLUMNS = ("engine", "build", "bits_per_weight", "kld_mean", "kld_median", "kld_p99", "kld_max", "same_top1",
-           "rms_dp", "ppl", "ppl_float")
 
 
 def requantized(src: Path, name: str, ftype: str) -> Path:
@@ -262,8 +264,9 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("KLD vs the float model, worst held-out domain")
         ax.set_title(f"{model}: circles ours, squares llama.cpp")
         ax.grid(alpha=0.3)
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axes[0].tolist(),
-                 label="decode tok/s, 2 threads, after 400 tokens")
+    if speeds:
+        fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap="viridis"), ax=axes[0].tolist(),
+                     label="decode tok/s, 2 threads, after 400 tokens")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=130, bbox_inches="tight")

@@ -72,13 +72,13 @@ def calibration_ids(tokenizer, n_ctx: int = 512, per_domain: int = CALIBRATION_T
     return out
 
 
-def chunks_of(tokenizer, ids: list[int], n_ctx: int, n_chunks: int | None = None, what: str = "the corpus"
+def chunks_of(tokenizer, tokens: list[int], n_ctx: int, n_chunks: int | None = None, what: str = "the corpus"
               ) -> list[list[int]]:
     """Token ids as chunks of n_ctx, each opening with BOS when the tokenizer adds one."""
     probe = tokenizer("a")["input_ids"]
     bos = [probe[0]] if tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id else []
     body = n_ctx - len(bos)
-    chunks = [bos + ids[i:i + body] for i in range(0, len(ids) - body + 1, body)]
+    chunks = [bos + tokens[i:i + body] for i in range(0, len(tokens) - body + 1, body)]
     if n_chunks is not None:
         if len(chunks) < n_chunks:
             raise ValueError(f"{what} holds {len(chunks)} chunks of {n_ctx} tokens, {n_chunks} asked for")
