@@ -31,7 +31,7 @@ LAYERS = [
     ("pipeline.model.kv", "pipeline.model.quant"),
     ("pipeline.model.layers",),
     ("pipeline.model.cache_modes",),
-    ("pipeline.config", "pipeline.recipes", "pipeline.fidelity"),
+    ("pipeline.config", "pipeline.recipes", "pipeline.fidelity", "pipeline.corpus"),
     ("pipeline.compose", "pipeline.store", "pipeline.native"),
     ("pipeline.ops",),
     ("pipeline.backends",),

@@ -31,7 +31,8 @@ MAN_CHAT = ("ls", "cp", "mv", "rm", "mkdir", "chmod", "ln", "sort", "uniq", "hea
             "du", "df", "touch", "tee", "date", "env")
 MAN_FOREIGN = {"fr": ("cat", "grep", "find", "tar", "gzip", "sed", "dd", "split"),
                "de": ("cat", "grep", "find", "tar", "gzip", "sed", "dd", "split")}
-REFERENCE = dict(source="Python Language Reference (pydoc_data/topics.py, Python 3.11.7), prose only", licence="PSF-2.0")
+REFERENCE = dict(source="Python Language Reference (pydoc_data/topics.py, Python 3.11.7), prose only",
+                 licence="PSF-2.0")
 KEPT = {"python-reference.txt": dict(role="heldout", domain="technical", **REFERENCE),
         "calibration.txt": dict(role="calibration", domain="reference", **REFERENCE)}
 
@@ -165,7 +166,8 @@ def main() -> None:
               role="heldout", domain="french", source="debian-history 2.28, Bref historique de Debian, chapitre 4",
               licence="GPL-2+")
         write("heldout/chat.json", chat(faq_conversations(doc / "debian/FAQ/debian-faq.en.txt.gz")), files,
-              role="heldout", domain="chat", source="debian-faq 11.1, The Debian GNU/Linux FAQ: its questions and answers",
+              role="heldout", domain="chat",
+              source="debian-faq 11.1, The Debian GNU/Linux FAQ: its questions and answers",
               licence="verbatim and modified copies permitted (see the package's copyright)")
         write("heldout/code.txt", code(HELDOUT_CODE), files, role="heldout", domain="code",
               source="CPython 3.11.7 standard library: " + ", ".join(HELDOUT_CODE), licence="PSF-2.0")

@@ -5,10 +5,11 @@ quantize stage, so a sweep over schemes reuses it.
 
 Over the calibration set (pipeline/corpus.py: eight domains of bench/corpus, chats through the model's own template;
 no held-out text): the activation maxima smoothing divides by (quantize.smoothing), and with quantize.algorithm=gptq
-each linear's Hessian X^T X / n of the smoothed model (pipeline/model/quant/gptq.py): measured in the same pass as the maxima and rescaled by smoothing's divisors,
-H / (s s^T), as the smoothed model computes the same function; with quantize.target_bpw each planned linear's KLD
-cost at each scheme the backend offers (pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima",
-"hessians", "sensitivity"}, any may be empty) and calibration.json, which names the files it read by sha256.
+each linear's Hessian X^T X / n of the smoothed model (pipeline/model/quant/gptq.py): measured in the same pass as
+the maxima and rescaled by smoothing's divisors, H / (s s^T), as the smoothed model computes the same function; with
+quantize.target_bpw each planned linear's KLD cost at each scheme the backend offers
+(pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may be empty)
+and calibration.json, which names the files it read by sha256.
 """
 from __future__ import annotations
 
