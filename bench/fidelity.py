@@ -54,6 +54,8 @@ BUILDS = {
     "smollm2": {
         "default (python -m pipeline): 8da4w smoothed, GPTQ, k + v + down 8da8w (quantize=8da4w_gptq)": [],
         "8da4w_gptq, K/V in fp16 (smollm2_gptq)": ["recipe=smollm2_gptq"],
+        "8da4w_gptq, the allocator's plan at 6.25 pinned, K/V in fp16 (smollm2_planned)": ["recipe=smollm2_planned"],
+        "auto at 6.25 bits (quantize.target_bpw=6.25, gptq)": [*GPTQ, *AUTO, "quantize.target_bpw=6.25"],
         "8da4w hqq smoothed + down_proj 8da8w, 8-bit embedding = lm_head (quantize=8da4w_mixed)": MIXED,
         "8da4w_mixed with GPTQ (quantize.algorithm=gptq)": [*MIXED, *GPTQ],
         "8da4w_mixed, the tied table copied into XNNPACK's payload (export.store_tied_once=false)": [

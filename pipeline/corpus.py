@@ -72,6 +72,11 @@ def calibration_ids(tokenizer, n_ctx: int = 512, per_domain: int = CALIBRATION_T
     return out
 
 
+def calibration_heads(tokenizer, n: int) -> list[list[int]]:
+    """The first n tokens of each calibration domain, one row each: a short pass that samples every domain."""
+    return [ids(tokenizer, path)[:n] for path in files("calibration").values()]
+
+
 def chunks_of(tokenizer, tokens: list[int], n_ctx: int, n_chunks: int | None = None, what: str = "the corpus"
               ) -> list[list[int]]:
     """Token ids as chunks of n_ctx, each opening with BOS when the tokenizer adds one."""

@@ -70,6 +70,9 @@ def test_calibration_covers_every_domain_in_sequences(tiny):
     assert sum(map(len, seqs)) == 256 * len(corpus.files("calibration"))  # every domain holds 256 tokens or more
     chunks = corpus.heldout_chunks(tok, 64, 2)
     assert set(chunks) == set(corpus.files("heldout")) and all(len(c) == 2 for c in chunks.values())
+    heads = corpus.calibration_heads(tok, 64)  # the sensitivity pass's rows: each domain's first tokens
+    assert len(heads) == len(corpus.files("calibration")) and all(len(h) == 64 for h in heads)
+    assert heads == [s[:64] for s in seqs[::2]] and len({tuple(h) for h in heads}) == len(heads)
 
 
 def test_chats_go_through_the_chat_template(tiny):

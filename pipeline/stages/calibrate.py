@@ -7,9 +7,9 @@ Over the calibration set (pipeline/corpus.py: eight domains of bench/corpus, cha
 no held-out text): the activation maxima smoothing divides by (quantize.smoothing), and with quantize.algorithm=gptq
 each linear's Hessian X^T X / n of the smoothed model (pipeline/model/quant/gptq.py): measured in the same pass as
 the maxima and rescaled by smoothing's divisors, H / (s s^T), as the smoothed model computes the same function; with
-quantize.target_bpw each planned linear's KLD cost at each scheme the backend offers
-(pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may be empty)
-and calibration.json, which names the files it read by sha256.
+quantize.target_bpw each planned linear's KLD cost at each scheme the backend offers, on a row of each domain
+(pipeline/model/quant/allocate.py). Writes calibration.pt ({"maxima", "hessians", "sensitivity"}, any may be
+empty) and calibration.json, which names the files it read by sha256.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from pipeline.config import v
 from pipeline.report.progress import spinner
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "calibrate", 3  # 2: one pass for maxima and Hessians; 3: the calibration set of eight domains
+NAME, VERSION = "calibrate", 4  # 2: one pass for maxima and Hessians; 3: the calibration set of eight domains;
+# 4: the sensitivity pass samples every domain
 AFTER = ("download", "wrap")
 SOURCES = ("bench/corpus/corpus.json", "bench/corpus/calibration", "bench/corpus/calibration.txt")
 CONFIG_KEYS = ("quantize.smoothing", "quantize.algorithm", "quantize.target_bpw", "quantize.overrides",
@@ -49,13 +50,14 @@ def run(ctx) -> dict:
     if needed(q):
         from transformers import AutoTokenizer
 
-        from pipeline.corpus import calibration_ids, calibration_record
+        from pipeline.corpus import calibration_heads, calibration_ids, calibration_record
         from pipeline.model.layers.exportable import make_exportable
         from pipeline.model.loading import load_hf_model
         from pipeline.model.quant.gptq import rescaled
         from pipeline.model.quant.smoothing import smooth
         model_dir = ctx.inputs["download"] / "model"
-        sequences = calibration_ids(AutoTokenizer.from_pretrained(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        sequences = calibration_ids(tokenizer)
         report["calibration_tokens"] = sum(map(len, sequences))
         report["calibration_files"] = calibration_record()
         model = load_hf_model(model_dir)
@@ -72,11 +74,12 @@ def run(ctx) -> dict:
                 hessians = rescaled(hessians, scales)  # the smoothed model's: its linears' inputs divided by scales
             if q.target_bpw is not None:
                 from pipeline.backends import BACKENDS
-                from pipeline.model.quant.allocate import planned, sensitivities
+                from pipeline.model.quant.allocate import ROW_TOKENS, planned, sensitivities
                 from pipeline.model.quant.apply import linear_roles
                 algorithm = "hqq" if v(q.algorithm) == "gptq" else v(q.algorithm)  # GPTQ per trial would be slow
                 with spinner("calibrate: each linear's KLD cost at each scheme", ctx.progress):
-                    sensitivity = sensitivities(model, sequences, planned(model, q, linear_roles(model)),
+                    sensitivity = sensitivities(model, calibration_heads(tokenizer, ROW_TOKENS),
+                                                planned(model, q, linear_roles(model)),
                                                 BACKENDS[ctx.cfg.backend.name].PLAN_CANDIDATES, algorithm)
         report["hessians"], report["sensitivity_linears"] = len(hessians), len(sensitivity)
     write_streaming(ctx.out / "calibration.pt", lambda f: torch.save(

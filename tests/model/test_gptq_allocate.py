@@ -87,7 +87,7 @@ def test_a_target_build_records_its_plan_and_builds_it():
 def test_a_trial_replays_the_layers_before_its_linear_exactly():
     """The sensitivity pass replays the float outputs of the layers before a linear's own: the same KLD as a whole
     forward with that linear quantized."""
-    from pipeline.model.quant.allocate import TOKENS, _kld, sensitivities
+    from pipeline.model.quant.allocate import _kld, sensitivities, trial_ids
     from pipeline.model.quant.apply import quantize_one, torchao_config
     m = build("tiny_llama_xnnpack", stages=("download",))
     model = load_hf_model(m["model_dir"])
@@ -95,10 +95,11 @@ def test_a_trial_replays_the_layers_before_its_linear_exactly():
     seqs = [list(range(1, 200)), list(range(200, 400))]
     name = "model.layers.1.mlp.up_proj"
     got = sensitivities(model, seqs, [name], [("8da4w", 32)], "minmax")[name]["8da4w g32"]
-    ids = torch.tensor([[i for s in seqs for i in s][:TOKENS]])
+    ids = trial_ids(seqs)
+    assert ids.shape == (2, 64)  # a row of each: both weigh in
     keep = torch.arange(ids.shape[1] // 2, ids.shape[1])
     with torch.no_grad():
-        ref = torch.log_softmax(model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0], -1)
+        ref = torch.log_softmax(model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits, -1)
         quantize_one(model, name, torchao_config("8da4w", 32, "minmax"))
-        want = _kld(ref, model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0])
+        want = _kld(ref, model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits)
     assert got > 0 and got == pytest.approx(want, rel=1e-4)

@@ -25,9 +25,10 @@ from pipeline.registry import v
 # `backend` below is the backend's module (pipeline/backends): its PLAN_CANDIDATES, the (scheme, group) the allocator
 # may give a linear, cheapest first (a group that does not divide a linear's inputs is not offered to it), and its
 # SCALE_BITS, what its file keeps per group and per row
-# the sensitivity pass runs one forward of TOKENS calibration tokens a (linear, scheme), comparing the logits of the
-# second half: 630 forwards on SmolLM2 (210 linears, 3 schemes), ~0.3 s each at 2 threads
-TOKENS = 256
+# the sensitivity pass runs one batched forward a (linear, scheme) over ROW_TOKENS tokens of each calibration domain
+# (one row each, so every domain weighs in), comparing the logits of each row's second half: 630 forwards on
+# SmolLM2 (210 linears, 3 schemes)
+ROW_TOKENS = 64
 
 
 def file_bits(scheme: str, group: int, n_in: int, backend) -> float:
@@ -51,13 +52,21 @@ def _layer_of(model: nn.Module, name: str) -> Optional[tuple[nn.ModuleList, int]
     return None
 
 
-def sensitivities(model: nn.Module, sequences: list[list[int]], names: list[str], candidates, algorithm: str,
+def trial_ids(rows: list[list[int]]) -> torch.Tensor:
+    """The sensitivity pass's batch: the first ROW_TOKENS tokens of each row (a calibration domain's), cut to the
+    shortest."""
+    n = min(ROW_TOKENS, *map(len, rows))
+    return torch.tensor([r[:n] for r in rows])
+
+
+def sensitivities(model: nn.Module, rows: list[list[int]], names: list[str], candidates, algorithm: str,
                   progress=None) -> dict[str, dict[str, float]]:
-    """name -> {"scheme gGROUP": KLD with that linear alone quantized so}, on the float (smoothed) HF model. The layers
-    before the linear's own replay their float outputs (a layer's output does not depend on what comes after it), so
-    a trial computes only the layers from its linear's on."""
+    """name -> {"scheme gGROUP": KLD with that linear alone quantized so}, on the float (smoothed) HF model, over
+    `rows` (token ids, a row per calibration domain, batched by trial_ids). The layers before the linear's own replay
+    their float outputs (a layer's output does not depend on what comes after it), so a trial computes only the
+    layers from its linear's on."""
     from pipeline.model.quant.apply import quantize_one, torchao_config
-    ids = torch.tensor([[i for s in sequences for i in s][:TOKENS]])
+    ids = trial_ids(rows)
     keep = torch.arange(ids.shape[1] // 2, ids.shape[1])
     outputs: dict[int, object] = {}
     layer_lists = {id(hit[0]): hit[0] for hit in (_layer_of(model, n) for n in names) if hit}
@@ -65,7 +74,7 @@ def sensitivities(model: nn.Module, sequences: list[list[int]], names: list[str]
              for layers in layer_lists.values() for layer in layers]
     with torch.no_grad():
         try:
-            ref = torch.log_softmax(model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0].float(), -1)
+            ref = torch.log_softmax(model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits.float(), -1)
         finally:
             for h in hooks:
                 h.remove()
@@ -81,7 +90,7 @@ def sensitivities(model: nn.Module, sequences: list[list[int]], names: list[str]
                     if group and module.weight.shape[1] % group:
                         continue
                     quantize_one(model, name, torchao_config(scheme, group, algorithm))
-                    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits[0]
+                    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
                     out[name][f"{scheme} g{group}"] = _kld(ref, logits)
                     module.weight = original
             finally:
