@@ -62,6 +62,9 @@ def test_one_pass_gives_the_smoothed_models_hessians(recipe):
     for key in want:
         assert (got[key] - want[key]).abs().max() <= 1e-4 * want[key].abs().max(), key
     assert got["model.layers.0.self_attn.q_proj"] is got["model.layers.0.self_attn.v_proj"]  # one input, one tensor
+    # the pass skips the head's product (nothing reads its logits) and gives the head back whole
+    assert "forward" not in one.get_output_embeddings().__dict__
+    assert _logits(one, seqs[0]).shape[-1] == one.config.get_text_config().vocab_size
     assert not torch.allclose(got["model.layers.0.mlp.down_proj"], h["model.layers.0.mlp.down_proj"])
 
 
