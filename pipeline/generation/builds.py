@@ -10,23 +10,26 @@ from typing import Optional
 from pipeline import paths
 
 
-def composition(recipe: str = "default") -> str:
-    """The hash a build of `recipe` as composed (no override that changes its program) records in its manifest."""
+def composition(recipe: str = "default", overrides: tuple[str, ...] = ()) -> str:
+    """The hash a build of `recipe` as composed, with `overrides` (none that leave its program as it is), records in
+    its manifest."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from pipeline.compose import compose
     from pipeline.session import build_hash
     try:
-        return build_hash(compose([] if recipe == "default" else [f"recipe={recipe}"]))
+        return build_hash(compose(([] if recipe == "default" else [f"recipe={recipe}"]) + list(overrides)))
     except (HydraException, OmegaConfBaseException) as e:  # an unknown recipe, a file that does not compose
         raise SystemExit(f"error: --recipe {recipe}: {str(e).splitlines()[0]}") from None
 
 
-def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT) -> Path:
-    """The newest run manifest of a successful build of `recipe` as composed, whose program is still there (gc may
-    have taken older ones): not a sweep's point, a test's tiny model or a build with other overrides."""
-    want = composition(recipe)
+def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT, overrides: tuple[str, ...] = (),
+               required: bool = True) -> Optional[Path]:
+    """The newest run manifest of a successful build of `recipe` as composed (with `overrides`), whose program is
+    still there (gc may have taken older ones): not a sweep's point, a test's tiny model or a build with other
+    overrides. None if there is none and not `required`."""
+    want = composition(recipe, overrides)
     for m in sorted((root / "runs").glob("*/manifest.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         try:
             run = json.loads(m.read_text())
@@ -35,6 +38,8 @@ def latest_run(recipe: str = "default", root: Path = paths.OUTPUTS_ROOT) -> Path
         if (run.get("status") == "ok" and run.get("composition") == want and run.get("pte")
                 and run.get("model_dir") and Path(run["pte"]).exists()):
             return m
+    if not required:
+        return None
     build = "python -m pipeline" + ("" if recipe == "default" else f" recipe={recipe}")
     raise SystemExit(f"error: no successful build of recipe {recipe} as composed under {root / 'runs'}: run "
                      f"`{build}` first, or give --run / --pte (another build) or --recipe NAME (another recipe's)")

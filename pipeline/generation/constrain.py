@@ -42,14 +42,7 @@ def grammar_text(json_schema: Optional[Path] = None, grammar: Optional[Path] = N
             schema = json.loads(text)
         except ValueError as e:
             raise ConstraintError(f"--json-schema {path}: not JSON ({e})") from e
-        if not isinstance(schema, (dict, bool)):
-            raise ConstraintError(f"--json-schema {path}: a schema is a JSON object, got {type(schema).__name__}")
-        # compact JSON unless the schema's own x-guidance says otherwise: whitespace a model may pad without end is
-        # tokens spent and a budget that can run out before the closing brace
-        try:
-            grm = llg.LLMatcher.grammar_from_json_schema(closed(schema), defaults={"whitespace_flexible": False})
-        except ValueError as e:
-            raise ConstraintError(f"--json-schema {path}: {e}") from e
+        return grammar_for_schema(schema, f"--json-schema {path}")
     else:
         try:
             from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -63,6 +56,23 @@ def grammar_text(json_schema: Optional[Path] = None, grammar: Optional[Path] = N
     error = llg.LLMatcher.validate_grammar(grm)
     if error:
         raise ConstraintError(f"{'--json-schema' if json_schema else '--grammar'} {path}: {error}")
+    return grm
+
+
+def grammar_for_schema(schema, where: str) -> str:
+    """The llguidance grammar of a JSON schema (a dict or a bool); `where` names it in errors."""
+    llg = _engine()
+    if not isinstance(schema, (dict, bool)):
+        raise ConstraintError(f"{where}: a schema is a JSON object, got {type(schema).__name__}")
+    # compact JSON unless the schema's own x-guidance says otherwise: whitespace a model may pad without end is
+    # tokens spent and a budget that can run out before the closing brace
+    try:
+        grm = llg.LLMatcher.grammar_from_json_schema(closed(schema), defaults={"whitespace_flexible": False})
+    except (ValueError, TypeError, RecursionError) as e:
+        raise ConstraintError(f"{where}: {e}") from e
+    error = llg.LLMatcher.validate_grammar(grm)
+    if error:
+        raise ConstraintError(f"{where}: {error}")
     return grm
 
 

@@ -1,6 +1,7 @@
 #include "batched/batched_engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <stdexcept>
 
@@ -66,6 +67,12 @@ struct Engine::Session {
   Sampler sampler;
   int64_t fed = 0;        // prompt tokens in the cache
   int64_t pending = -1;   // sampled, not yet fed
+  int64_t max_new;        // the request's budget, or the engine's
+  bool spec;              // drafts for this session (the engine speculates and the request allows it)
+  bool masked;            // each sample waits for a mask (set_mask)
+  bool has_mask;
+  std::vector<uint32_t> mask;
+  size_t reported = 0;    // tokens handed to step()'s caller
   bool decoding = false;  // the prompt is in, decode steps from here
   bool done = false;
   uint64_t served = 0;    // clock of the last step that gave it logits
@@ -78,8 +85,13 @@ struct Engine::Session {
   offgraph::OffgraphKvCache::Snapshot snap;
 
   Session(const Request& r, const EngineOptions& o)
-      : sampler(o.temperature, o.top_p, o.top_k, o.seed + static_cast<uint64_t>(r.prompt)) {
+      : sampler(r.opts.temperature.value_or(o.temperature), r.opts.top_p.value_or(o.top_p),
+                r.opts.top_k.value_or(o.top_k), r.opts.seed.value_or(o.seed + static_cast<uint64_t>(r.prompt))),
+        max_new(r.opts.max_new_tokens.value_or(o.max_new_tokens)),
+        spec(o.speculate.on && r.opts.speculate && !r.opts.masked), masked(r.opts.masked),
+        has_mask(!r.opts.mask.empty()), mask(r.opts.mask) {
     gen.req = r;
+    gen.req.opts.mask.clear();
   }
   int64_t remaining() const { return static_cast<int64_t>(gen.req.ids.size()) - fed; }
 };
@@ -170,7 +182,11 @@ int64_t Engine::prefill_room(const Session& s) const {
 std::vector<Engine::Piece> Engine::plan_step() {
   std::vector<Piece> step;
   std::vector<Session*> dec, pre;
-  for (auto& s : active_) (s->decoding ? dec : pre).push_back(s.get());
+  for (auto& s : active_) {
+    if (s->done) continue;
+    if (s->decoding && !waiting(*s)) dec.push_back(s.get());
+    else if (!s->decoding) pre.push_back(s.get());
+  }
   std::stable_sort(dec.begin(), dec.end(), [](const Session* a, const Session* b) { return a->served < b->served; });
   int64_t rows = chunk_;
   if (full_) {
@@ -189,16 +205,17 @@ std::vector<Engine::Piece> Engine::plan_step() {
         rows -= 1;
       }
     }
-    if (o_.speculate.on)  // the rows left go to drafts, least recently served session first
-      for (Piece& p : step) {
-        if (!p.logits || rows - keep <= 0) continue;
-        p.s->draft = p.s->drafter->draft(std::min(draft_room(*p.s), rows - keep));
-        p.n += static_cast<int64_t>(p.s->draft.size());
-        rows -= static_cast<int64_t>(p.s->draft.size());
-      }
+    // the rows left go to drafts, least recently served session first
+    for (Piece& p : step) {
+      if (!p.s->spec || !p.logits || rows - keep <= 0) continue;
+      p.s->draft = p.s->drafter->draft(std::min(draft_room(*p.s), rows - keep));
+      p.n += static_cast<int64_t>(p.s->draft.size());
+      rows -= static_cast<int64_t>(p.s->draft.size());
+    }
     for (Session* s : pre) {
       if (rows == 0) break;
-      const int64_t m = std::min(rows, prefill_room(*s));
+      const int64_t m = std::min({rows, prefill_room(*s), s->remaining() - (waiting(*s) ? 1 : 0)});
+      if (m <= 0) continue;
       step.push_back({s, m, m == s->remaining()});
       rows -= m;
     }
@@ -206,7 +223,8 @@ std::vector<Engine::Piece> Engine::plan_step() {
   }
   Session* last = dec.empty() ? nullptr : dec.front();
   for (Session* s : pre)
-    if (s->remaining() <= chunk_ && prefill_room(*s) == s->remaining() && (last == nullptr || s->served < last->served))
+    if (s->remaining() <= chunk_ && prefill_room(*s) == s->remaining() && !waiting(*s) &&
+        (last == nullptr || s->served < last->served))
       last = s;
   if (last) rows -= last->decoding ? 1 : last->remaining();
   for (Session* s : pre) {
@@ -282,8 +300,8 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
     if (s.decoding) {
       const size_t before = s.gen.generated.size();
       if (!s.replay.empty()) s.replay.clear();
-      else if (o_.speculate.on) accept_verified(s, pos, p.n, row, st);
-      else accept(s, s.sampler.sample(row, V));
+      else if (s.spec) accept_verified(s, pos, p.n, row, st);
+      else accept(s, sample(s, row));
       decode_tokens += static_cast<int64_t>(s.gen.generated.size() - before);
       continue;
     }
@@ -297,19 +315,19 @@ void Engine::execute(std::vector<Piece>& step, EngineStats* st) {
     // right after the prefill, before decode writes into any ring
     if (o_.states.empty() && prefix_.enabled()) capture(s, s.gen.req.ids, &capture_ms);
     s.decoding = true;
-    if (o_.speculate.on) {
+    if (s.spec) {
       s.drafter = std::make_unique<speculate::NgramDrafter>(o_.speculate.ngram_min, o_.speculate.ngram_max);
       s.drafter->extend(s.gen.req.ids);
       // the cost of a row in a shared forward, not a forward of its own: each draft token a tenth of a step
       s.budget = std::make_unique<speculate::DraftBudget>(o_.speculate.draft_max);
       s.budget->timed(1, 1.0);
     }
-    if (o_.max_new_tokens == 0) {
+    if (s.max_new == 0) {
       s.gen.ttft_ms = ms_between(s.admitted, Clock::now());
       finish(s, "max_new_tokens");
       continue;
     }
-    if (accept(s, s.sampler.sample(row, V)) && s.drafter) s.drafter->push(s.pending);
+    if (accept(s, sample(s, row)) && s.drafter) s.drafter->push(s.pending);
   }
   const double ms = ms_between(t0, Clock::now()) - capture_ms;
   ++clock_;
@@ -339,7 +357,7 @@ bool Engine::accept(Session& s, int64_t token) {
   s.gen.generated.push_back(token);
   if (stops_.count(token)) {
     finish(s, "stop_token");
-  } else if (static_cast<int64_t>(s.gen.generated.size()) >= o_.max_new_tokens) {
+  } else if (static_cast<int64_t>(s.gen.generated.size()) >= s.max_new) {
     finish(s, "max_new_tokens");
   } else if (s.cache->length() >= s.cache->capacity()) {
     finish(s, "context_full");
@@ -353,7 +371,7 @@ bool Engine::accept(Session& s, int64_t token) {
 int64_t Engine::draft_room(const Session& s) const {
   // after the pending token: tokens left in the budget, and the cache's room with a position to spare (a stop on a
   // full cache is judged after the rollback, as in a plain step)
-  const int64_t left = o_.max_new_tokens - static_cast<int64_t>(s.gen.generated.size()) - 1;
+  const int64_t left = s.max_new - static_cast<int64_t>(s.gen.generated.size()) - 1;
   const int64_t room = s.cache->capacity() - s.cache->length() - 2;
   return std::max<int64_t>(0, std::min({s.budget->choose(), o_.speculate.draft_max, left, room}));
 }
@@ -405,39 +423,103 @@ void Engine::fail(Session& s, const std::string& error) {
   s.done = true;
 }
 
+bool Engine::waiting(const Session& s) const { return s.masked && !s.has_mask; }
+
+int64_t Engine::sample(Session& s, const float* row) {
+  const int64_t V = prog_.info().vocab_size;
+  if (!s.masked) return s.sampler.sample(row, V);
+  masked_row_.assign(row, row + V);
+  for (int64_t t = 0; t < V; ++t)
+    if (!((s.mask[static_cast<size_t>(t >> 5)] >> (t & 31)) & 1u)) masked_row_[static_cast<size_t>(t)] = -INFINITY;
+  s.has_mask = false;
+  return s.sampler.sample(masked_row_.data(), V);
+}
+
+void Engine::submit(Request r) { queue_.push_back({std::move(r), Clock::now()}); }
+
+bool Engine::cancel(int64_t id) {
+  for (auto& s : active_)
+    if (s && s->gen.req.id == id && !s->done) {
+      finish(*s, "cancelled");
+      return true;
+    }
+  for (auto it = queue_.begin(); it != queue_.end(); ++it)
+    if (it->req.id == id) {  // step() hands it back
+      it->cancelled = true;
+      return true;
+    }
+  return false;
+}
+
+bool Engine::set_mask(int64_t id, std::vector<uint32_t> bits) {
+  const size_t words = static_cast<size_t>((prog_.info().vocab_size + 31) / 32);
+  if (bits.size() != words) throw std::invalid_argument("a mask holds " + std::to_string(words) + " words, got " +
+                                                        std::to_string(bits.size()));
+  auto set = [&](Session& s) {
+    s.mask = std::move(bits);
+    s.has_mask = true;
+  };
+  for (auto& s : active_)
+    if (s && s->gen.req.id == id && s->masked) return set(*s), true;
+  return false;
+}
+
+bool Engine::can_step() const {
+  if (!queue_.empty() && static_cast<int64_t>(active_.size()) < o_.max_decode_sequences) return true;
+  for (const auto& s : active_)
+    if (s->done || !waiting(*s) || (!s->decoding && s->remaining() > 1)) return true;
+  return false;
+}
+
+std::vector<Generation> Engine::step(EngineStats* st, std::vector<TokenEvent>* tokens) {
+  std::vector<Generation> out;
+  while (!queue_.empty() && static_cast<int64_t>(active_.size()) < o_.max_decode_sequences) {
+    Queued q = std::move(queue_.front());
+    queue_.pop_front();
+    std::unique_ptr<Session> s = q.cancelled ? std::make_unique<Session>(q.req, o_) : admit(q.req);
+    if (q.cancelled) finish(*s, "cancelled");
+    s->gen.queued_ms = ms_between(q.at, Clock::now());
+    if (s->done) out.push_back(std::move(s->gen));
+    else active_.push_back(std::move(s));
+  }
+  st->peak_sessions = std::max<int64_t>(st->peak_sessions, static_cast<int64_t>(active_.size()));
+  bool runnable = false;
+  for (const auto& s : active_) runnable |= !s->done && (!waiting(*s) || (!s->decoding && s->remaining() > 1));
+  if (runnable) {
+    std::vector<Piece> plan = plan_step();
+    if (plan.empty()) throw std::logic_error("the scheduler planned an empty step");
+    execute(plan, st);
+    st->peak_kv_bytes = std::max(st->peak_kv_bytes, kv_bytes());
+  }
+  for (auto& s : active_) {
+    const auto& g = s->gen.generated;
+    if (tokens && g.size() > s->reported)
+      tokens->push_back({s->gen.req.id, std::vector<int64_t>(g.begin() + static_cast<std::ptrdiff_t>(s->reported),
+                                                              g.end())});
+    s->reported = g.size();
+    if (!s->done) continue;
+    st->generated += static_cast<int64_t>(g.size());
+    out.push_back(std::move(s->gen));
+    s.reset();
+  }
+  active_.erase(std::remove(active_.begin(), active_.end(), nullptr), active_.end());
+  snapshots_.erase(std::remove_if(snapshots_.begin(), snapshots_.end(),
+                                  [](const std::weak_ptr<const PrefixSnapshot>& w) { return w.expired(); }),
+                   snapshots_.end());
+  return out;
+}
+
 std::vector<Generation> Engine::run(const std::vector<Request>& requests, EngineStats* stats) {
   EngineStats st;
   const auto t0 = Clock::now();
+  for (const Request& r : requests) submit(r);
   std::vector<Generation> out(requests.size());
-  size_t next = 0;
-  auto retire = [&](std::unique_ptr<Session>& s) {
-    const size_t i = static_cast<size_t>(std::find_if(requests.begin(), requests.end(),
-                                                      [&](const Request& r) { return r.id == s->gen.req.id; }) -
-                                         requests.begin());
-    st.generated += static_cast<int64_t>(s->gen.generated.size());
-    out[i] = std::move(s->gen);
-    s.reset();
-  };
-  while (next < requests.size() || !active_.empty()) {
-    while (next < requests.size() && static_cast<int64_t>(active_.size()) < o_.max_decode_sequences) {
-      std::unique_ptr<Session> s = admit(requests[next]);
-      s->gen.queued_ms = ms_between(t0, s->admitted);
-      ++next;
-      if (s->done) retire(s);
-      else active_.push_back(std::move(s));
+  while (!idle()) {
+    if (!can_step()) throw std::logic_error("run(): masked requests wait for masks nobody gives");
+    for (Generation& g : step(&st, nullptr)) {
+      const auto at = std::find_if(requests.begin(), requests.end(), [&](const Request& r) { return r.id == g.req.id; });
+      out[static_cast<size_t>(at - requests.begin())] = std::move(g);
     }
-    st.peak_sessions = std::max<int64_t>(st.peak_sessions, static_cast<int64_t>(active_.size()));
-    if (active_.empty()) continue;
-    std::vector<Piece> step = plan_step();
-    if (step.empty()) throw std::logic_error("the scheduler planned an empty step");
-    execute(step, &st);
-    st.peak_kv_bytes = std::max(st.peak_kv_bytes, kv_bytes());
-    for (auto& s : active_)
-      if (s->done) retire(s);
-    active_.erase(std::remove(active_.begin(), active_.end(), nullptr), active_.end());
-    snapshots_.erase(std::remove_if(snapshots_.begin(), snapshots_.end(),
-                                    [](const std::weak_ptr<const PrefixSnapshot>& w) { return w.expired(); }),
-                     snapshots_.end());
   }
   st.wall_ms = ms_between(t0, Clock::now());
   if (stats) *stats = st;

@@ -26,8 +26,11 @@
 // snapshot and replays that token.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -60,10 +63,24 @@ struct EngineOptions {
   speculate::Options speculate;             // --speculate ngram: each decoding session's rows carry its draft
 };
 
+// What one request may set for itself (the server's); unset fields take the engine's options.
+struct RequestOptions {
+  std::optional<int64_t> max_new_tokens;
+  std::optional<double> temperature, top_p;
+  std::optional<int64_t> top_k;
+  std::optional<uint64_t> seed;
+  bool speculate = true;  // false: no drafts for this request even when the engine speculates
+  // Each sample waits for its allowed-token mask (set_mask): a grammar outside the engine. Such a session is left out
+  // of a step until its mask is in, and never speculates.
+  bool masked = false;
+  std::vector<uint32_t> mask;  // masked: its first sample's mask (set_mask gives the next ones)
+};
+
 struct Request {
   int64_t id = 0;  // generation number
   int round = 0, prompt = 0;
   std::vector<int64_t> ids;
+  RequestOptions opts;
 };
 
 struct Generation {
@@ -79,6 +96,12 @@ struct Generation {
   double decode_ms_per_token() const {
     return generated.size() > 1 ? decode_ms / static_cast<double>(generated.size() - 1) : 0.0;
   }
+};
+
+// Tokens a session took in one step (several with speculation), in order.
+struct TokenEvent {
+  int64_t id;
+  std::vector<int64_t> tokens;
 };
 
 struct EngineStats {
@@ -99,6 +122,22 @@ class Engine {
 
   // Runs the requests to the end; the generations come back in request order.
   std::vector<Generation> run(const std::vector<Request>& requests, EngineStats* stats);
+
+  // The incremental interface (llm_batched_runner --serve): requests join the queue at any time and are admitted
+  // between steps, in order, while fewer than max_decode_sequences are active.
+  void submit(Request r);
+  // A queued or active request ends with stop reason "cancelled" at the next step; false if unknown.
+  bool cancel(int64_t id);
+  // The allowed tokens of a masked request's next sample: vocab bits, little-endian words. False if unknown.
+  bool set_mask(int64_t id, std::vector<uint32_t> bits);
+  // A step can run now: some request is queued, or some active session is not waiting for its mask.
+  bool can_step() const;
+  bool idle() const { return queue_.empty() && active_.empty(); }
+  int64_t queued() const { return static_cast<int64_t>(queue_.size()); }
+  int64_t active() const { return static_cast<int64_t>(active_.size()); }
+  // Admits what fits, runs one forward (when a session can take one), and returns the requests that ended;
+  // `tokens` gets each session's new tokens, before its end.
+  std::vector<Generation> step(EngineStats* stats, std::vector<TokenEvent>* tokens);
 
   const PrefixCache& prefix_cache() const { return prefix_; }
   // Decode rows of several sessions share a forward (logits mode `full` or `selected`).
@@ -131,6 +170,8 @@ class Engine {
   void finish(Session& s, const std::string& reason);
   void fail(Session& s, const std::string& error);
   int64_t kv_bytes() const;
+  bool waiting(const Session& s) const;  // a masked session whose next sample has no mask yet
+  int64_t sample(Session& s, const float* row);
 
   LlmProgram& prog_;
   std::vector<offgraph::LayerSpec> specs_;
@@ -142,6 +183,13 @@ class Engine {
   PrefixCache prefix_;
   std::vector<std::weak_ptr<const PrefixSnapshot>> snapshots_;
   std::vector<std::unique_ptr<Session>> active_;
+  struct Queued {
+    Request req;
+    std::chrono::steady_clock::time_point at;
+    bool cancelled = false;
+  };
+  std::deque<Queued> queue_;
+  std::vector<float> masked_row_;
   uint64_t clock_ = 0;  // steps run, for fairness
   std::vector<int64_t> tokens_, positions_, logit_rows_;
 };

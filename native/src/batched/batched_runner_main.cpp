@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "batched/batched_engine.h"
+#include "batched/serve_loop.h"
 #include "runner/cli_common.h"
 #include "runtime/chat_template.h"
 #include "platform/huge_pages.h"
@@ -33,7 +34,7 @@ using namespace llmrt::cli;  // Clock, ms_since, parse_int, UsageError
 struct Options : cli::CommonOptions {
   std::string out_prefix;
   std::vector<std::string> prompts;
-  bool ids = false;
+  bool ids = false, serve = false;
   int64_t max_session_tokens = 0, max_decode_sequences = 4;
   std::string cache_kind = "batched-sequence";
   int64_t prefix_cache_entries = 0, prompt_rounds = 1;
@@ -75,6 +76,9 @@ void print_help() {
       "  --prefix-cache-entries N    snapshots kept by the prefix cache, 0 = off (default: %lld)\n"
       "  --prompt-rounds N           run the prompts N times on fresh sessions, keeping the prefix\n"
       "                              cache (default: %lld)\n"
+      "  --serve                     no prompts: take requests as JSON lines on stdin and answer\n"
+      "                              with events on stdout (python -m pipeline.serve runs it;\n"
+      "                              src/batched/serve_loop.h) (default: off)\n"
       "  --out-prefix P              write each generation's text to P_<n>.txt, n = round x prompts\n"
       "                              + prompt (default: none)\n"
       "  --stats-json PATH           write the reports as JSON lines (default: none)\n"
@@ -131,11 +135,13 @@ Options parse_args(int argc, char** argv, bool* help) {
     else if (a == "--prompt-rounds") o.prompt_rounds = parse_int(a, args.value());
     else if (a == "--out-prefix") o.out_prefix = args.value();
     else if (a == "--ids") { args.no_value(); o.ids = true; }
+    else if (a == "--serve") { args.no_value(); o.serve = true; }
     else throw UsageError("unknown argument '" + a + "' (see --help)");
   }
   if (o.pte.empty()) throw UsageError("--pte is required (see --help)");
-  if (o.prompts.empty()) throw UsageError("give at least one prompt (positional arguments)");
-  if (!o.ids && o.tokenizer.empty()) throw UsageError("--tokenizer is required unless --ids is given");
+  if (o.serve && !o.prompts.empty()) throw UsageError("--serve takes its requests on stdin, not as arguments");
+  if (o.prompts.empty() && !o.serve) throw UsageError("give at least one prompt (positional arguments)");
+  if (!o.ids && !o.serve && o.tokenizer.empty()) throw UsageError("--tokenizer is required unless --ids is given");
   if (o.cache_kind != "batched-sequence" && o.cache_kind != "batched-cell")
     throw UsageError("--cache-kind expects batched-sequence or batched-cell, got '" + o.cache_kind + "'");
   if (!o.kv_storage_dtype.empty()) o.check_kv_storage_dtype();  // empty: the program's dtype
@@ -462,6 +468,15 @@ int run(const Options& given) {
   Engine engine(prog, specs, chunk, eo, stops);
   if (o.huge_pages) su.huge = back_with_huge_pages();
   print_setup(o, info, engine, su);
+  if (o.serve)
+    return serve_stdio(engine, info.vocab_size,
+                       {{"vocab", info.vocab_size}, {"context", info.max_context_len}, {"max_session_tokens", max_session},
+                        {"chunk", chunk}, {"logits_mode", logits_mode_name(info.logits_mode)},
+                        {"stops", std::vector<int64_t>(stops.begin(), stops.end())},
+                        {"max_decode_sequences", o.max_decode_sequences},
+                        {"prefix_cache_entries", o.prefix_cache_entries}, {"speculate", o.speculate.on},
+                        {"cache_report", engine.describe()}, {"threads", su.threads}, {"load_ms", su.load_ms},
+                        {"isa", isa::active_name()}});
 
   std::unique_ptr<std::ofstream> stats_file;
   if (!o.stats_json.empty()) {
