@@ -118,6 +118,9 @@ class Server:
         want = len(prompts) * p.n
         if not self.engine.alive:
             raise ApiError(503, "the engine has exited; restart the server", None, "engine_down")
+        if want > self.limit:
+            raise ApiError(400, f"'n' asks for {want} choices; this server runs and queues at most {self.limit}", "n",
+                           "invalid_value")
         if self.inflight + want > self.limit:
             raise ApiError(429, f"the server is busy: {self.inflight} choices running or queued, at most "
                            f"{self.limit}; retry later", None, "queue_full")
@@ -126,7 +129,7 @@ class Server:
         for k, (ids, budget) in enumerate((ids, b) for ids, b in zip(prompts, budgets) for _ in range(p.n)):
             seed = None if p.seed is None else (p.seed + k) % 2**63
             s = Sampling(max_tokens=budget, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
-                         speculate=self.speculate)
+                         speculate=self.speculate, ignore_eos=p.ignore_eos)
             choices.append(Choice(self.engine, ids, s, lambda x: self.tok.decode(x, skip_special_tokens=True),
                                   self.stop_ids, p.stop, constraints[k]))
         self.inflight += len(choices)
@@ -151,6 +154,22 @@ def _message(c: Choice, p: Params, fmt) -> tuple[dict, str]:
     if calls:
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": c.text}, c.finish_reason or "stop"
+
+
+async def _all_or_nothing(tasks: list[asyncio.Task], gone: asyncio.Future, timeout: float) -> Optional[str]:
+    """None once every task has ended; "gone" if the client went away first, "timeout" if the time ran out."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    pending = set(tasks)
+    while pending:
+        if loop.time() >= end:
+            return "timeout"
+        done, pending = await asyncio.wait(pending | {gone}, timeout=end - loop.time(),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        if gone in done:
+            return "gone"
+        pending.discard(gone)
+    return None
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -190,26 +209,28 @@ def make_app(server: Server) -> Starlette:
             server.requests[(route, 200)] += 1
             return StreamingResponse(_stream(server, p, choices, fmt, rid, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        gen = asyncio.ensure_future(asyncio.wait_for(asyncio.gather(*(c.run() for c in choices)), server.timeout))
+        tasks = [asyncio.ensure_future(c.run()) for c in choices]
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
-            await asyncio.wait({gen, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not gen.done():  # the client went away: nobody to answer
-                gen.cancel()
+            ended = await _all_or_nothing(tasks, gone, server.timeout)
+            if ended == "gone":  # nobody to answer
                 status = 499
                 return Response(status_code=499)
-            gen.result()
-        except asyncio.TimeoutError:
-            status = 504
-            return JSONResponse(ApiError(504, f"the request took longer than {server.timeout:g} s",
-                                         None, "timeout").body(), 504)
-        except (GenerationError, EngineError) as e:
-            status = 500
-            return JSONResponse(ApiError(500, f"generation failed: {e}", None, "engine_error").body(), 500)
+            if ended == "timeout":
+                status = 504
+                return JSONResponse(ApiError(504, f"the request took longer than {server.timeout:g} s",
+                                             None, "timeout").body(), 504)
+            failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+            if failed is not None:
+                if not isinstance(failed, (GenerationError, EngineError)):
+                    raise failed
+                status = 500
+                return JSONResponse(ApiError(500, f"generation failed: {failed}", None, "engine_error").body(), 500)
         finally:
             gone.cancel()
-            for c in choices:
-                c.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(gone, *tasks, return_exceptions=True)
             usage = server.finished(choices, p.n)
             server.requests[(route, status)] += 1
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

@@ -23,6 +23,7 @@ class Sampling:
     top_k: int = 0
     seed: Optional[int] = None
     speculate: bool = True
+    ignore_eos: bool = False
 
 
 class Engine:
@@ -92,7 +93,7 @@ class Engine:
         """A request's id and the queue of its events ("tokens", then "done")."""
         rid = next(self.ids)
         msg = {"op": "submit", "id": rid, "ids": ids, "max_tokens": s.max_tokens, "temperature": s.temperature,
-               "top_p": s.top_p, "top_k": s.top_k, "speculate": s.speculate}
+               "top_p": s.top_p, "top_k": s.top_k, "speculate": s.speculate, "ignore_eos": s.ignore_eos}
         if s.seed is not None:
             msg["seed"] = s.seed
         if mask is not None:

@@ -41,6 +41,7 @@ class Params:
     tools: Optional[list[dict]] = None
     tool_choice: Any = "auto"         # "auto" | "none" | "required" | a function's name
     chat: bool = True
+    ignore_eos: bool = False          # not OpenAI's (vLLM's and llama.cpp's): the whole max_tokens, for benchmarks
 
 
 def _type_name(v) -> str:
@@ -239,7 +240,8 @@ def parse(body: dict, chat: bool) -> Params:
                top_k=top_k, seed=seed, n=n, stop=stop or [], stream=bool(_get(body, "stream", (bool,), False)),
                include_usage=bool(stream_options.get("include_usage")),
                schema=_response_format(body) if chat else None, tools=tools,
-               tool_choice=_tool_choice(body, tools) if chat else "none", chat=chat)
+               tool_choice=_tool_choice(body, tools) if chat else "none", chat=chat,
+               ignore_eos=bool(_get(body, "ignore_eos", (bool,), False)))
     if p.top_p == 0.0:
         p.temperature = 0.0  # nothing but the top token
     return p

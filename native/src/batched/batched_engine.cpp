@@ -355,7 +355,7 @@ bool Engine::accept(Session& s, int64_t token) {
   }
   s.last_token = now;
   s.gen.generated.push_back(token);
-  if (stops_.count(token)) {
+  if (!s.gen.req.opts.ignore_stops && stops_.count(token)) {
     finish(s, "stop_token");
   } else if (static_cast<int64_t>(s.gen.generated.size()) >= s.max_new) {
     finish(s, "max_new_tokens");

@@ -70,6 +70,7 @@ struct RequestOptions {
   std::optional<int64_t> top_k;
   std::optional<uint64_t> seed;
   bool speculate = true;  // false: no drafts for this request even when the engine speculates
+  bool ignore_stops = false;  // generate the whole budget (benchmarks)
   // Each sample waits for its allowed-token mask (set_mask): a grammar outside the engine. Such a session is left out
   // of a step until its mask is in, and never speculates.
   bool masked = false;

@@ -491,7 +491,7 @@ int run(const Options& given) {
   for (int64_t r = 0; r < o.prompt_rounds; ++r) {
     std::vector<Request> reqs;
     for (int64_t p = 0; p < np; ++p)
-      reqs.push_back(Request{r * np + p, static_cast<int>(r), static_cast<int>(p), prompts[p]});
+      reqs.push_back(Request{r * np + p, static_cast<int>(r), static_cast<int>(p), prompts[p], {}});
     EngineStats st;
     std::vector<Generation> gens = engine.run(reqs, &st);
     total.add(st);

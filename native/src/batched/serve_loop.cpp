@@ -57,6 +57,7 @@ Request parse_submit(const json& j, int64_t vocab) {
   if (j.contains("top_k")) o.top_k = j["top_k"].get<int64_t>();
   if (j.contains("seed")) o.seed = j["seed"].get<uint64_t>();
   if (j.contains("speculate")) o.speculate = j["speculate"].get<bool>();
+  if (j.contains("ignore_eos")) o.ignore_stops = j["ignore_eos"].get<bool>();
   o.masked = j.contains("mask");
   if (o.masked) o.mask = parse_mask(j["mask"].get<std::string>(), vocab);
   return r;

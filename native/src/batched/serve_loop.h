@@ -2,7 +2,8 @@
 //
 // stdin, one object a line (the server's Python side writes them; a line it cannot read gets an "error" event):
 //   {"op": "submit", "id": 7, "ids": [...], "max_tokens": 64, "temperature": 0.7, "top_p": 1, "top_k": 0,
-//    "seed": 1, "speculate": true, "mask": "<hex>"}      a request; "mask": its first sample's allowed tokens, and
+//    "seed": 1, "speculate": true, "ignore_eos": false,
+//    "mask": "<hex>"}                                     a request; "mask": its first sample's allowed tokens, and
 //                                                         then every sample waits for a "mask" line
 //   {"op": "mask", "id": 7, "mask": "<hex>"}             the allowed tokens of its next sample (vocab bits as
 //                                                         little-endian 32-bit words, their bytes in hex)
