@@ -41,6 +41,7 @@ LAYERS = [
     ("pipeline.preflight",),
     ("pipeline.session",),
     ("pipeline.generation",),
+    ("pipeline.serve",),
     ("pipeline.commands", "pipeline.__main__"),
 ]
 

@@ -19,9 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-# the serving form of a recipe: the runtime-owned cache the engine batches over, logits for every row (decode rows of
-# several sessions share a forward), a small chunk (a prefill chunk's logits stay small)
-SERVING = ("cache=offgraph", "export.logits_mode=full", "export.prefill_chunk=32")
+# the serving form of a recipe: the runtime-owned cache the engine batches over; logits for the rows asked only (the
+# decode rows of several sessions share a forward, a prefill chunk computes no vocabulary product but for its last
+# row); rows for 64 sessions' decode or a prompt's piece a forward; room for a conversation
+SERVING = ("cache=offgraph", "export.logits_mode=selected", "export.prefill_chunk=64", "export.max_context_len=2048")
+
+
+def batched_engine_runs(run: dict) -> bool:
+    """The engine batches sessions over a cache the runtime owns (cache.mode=offgraph)."""
+    from pipeline.model.cache_modes import CACHE_MODES
+    return CACHE_MODES[run["config"]["cache"]["mode"]].RUNTIME_OWNED
 
 
 def find_build(args) -> Path:
@@ -32,7 +39,7 @@ def find_build(args) -> Path:
         return path / "manifest.json" if path.is_dir() else path
     recipe = args.recipe or "default"
     own = latest_run(recipe, required=False)
-    if own is not None and json.loads(own.read_text())["config"]["cache"]["mode"] == "offgraph":
+    if own is not None and batched_engine_runs(json.loads(own.read_text())):
         return own
     serving = latest_run(recipe, overrides=SERVING, required=False)
     if serving is not None:
@@ -54,8 +61,8 @@ def load_run(manifest: Path) -> dict:
         raise SystemExit(f"error: --run {manifest}: not a run manifest ({e})") from None
     if run.get("status") != "ok" or not run.get("pte") or not Path(run["pte"]).exists():
         raise SystemExit(f"error: --run {manifest}: not a successful build whose program is still there")
-    mode = run["config"]["cache"]["mode"]
-    if mode != "offgraph":
+    if not batched_engine_runs(run):
+        mode = run["config"]["cache"]["mode"]
         raise SystemExit(f"error: --run {manifest}: its program keeps its cache in the graph (cache.mode={mode}); "
                          f"the server's engine batches off-graph programs: build with {' '.join(SERVING)}")
     return run

@@ -207,7 +207,11 @@ def make_app(server: Server) -> Starlette:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         if p.stream:
             server.requests[(route, 200)] += 1
-            return StreamingResponse(_stream(server, p, choices, fmt, rid, chat), media_type="text/event-stream",
+            events = _stream(server, p, choices, fmt, rid, chat)
+            # started here, so that its cleanup runs (asyncio closes a started generator that is dropped) even if
+            # the client is gone before the response begins
+            first = await events.__anext__()
+            return StreamingResponse(_chained(first, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         tasks = [asyncio.ensure_future(c.run()) for c in choices]
         gone = asyncio.ensure_future(_until_disconnect(request))
@@ -276,6 +280,12 @@ def make_app(server: Server) -> Starlette:
                              Route("/health", health, methods=["GET"]),
                              Route("/metrics", metrics, methods=["GET"])],
                      exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+async def _chained(first: str, rest):
+    yield first
+    async for event in rest:
+        yield event
 
 
 def _chunk(rid: str, model: str, chat: bool, choices: list[dict], usage=None) -> str:

@@ -498,6 +498,15 @@ std::vector<Generation> Engine::step(EngineStats* st, std::vector<TokenEvent>* t
                                                               g.end())});
     s->reported = g.size();
     if (!s->done) continue;
+    const auto& ids = s->gen.req.ids;
+    if (o_.capture_replies && prefix_.enabled() && o_.states.empty() && s->gen.ok && g.size() > 1 &&
+        s->cache->length() == static_cast<int64_t>(ids.size() + g.size() - 1)) {
+      std::vector<int64_t> key(ids);
+      key.insert(key.end(), g.begin(), g.end() - 1);
+      double ms = 0;
+      capture(*s, std::move(key), &ms);
+      st->capture_ms += ms;
+    }
     st->generated += static_cast<int64_t>(g.size());
     out.push_back(std::move(s->gen));
     s.reset();

@@ -58,6 +58,9 @@ struct EngineOptions {
   int64_t top_k = 0;
   uint64_t seed = 42;  // session of prompt p samples with seed + p
   size_t prefix_cache_entries = 0;
+  // A finished session's cache (prompt and reply, the last token unfed) is kept too, so that a conversation's next
+  // turn, which resends both, prefills only what follows them (the server's; attention-only programs)
+  bool capture_replies = false;
   int64_t shared_layers = 0;  // KV-shared layers (get_n_shared_layers): they read their source's cache
   std::vector<offgraph::StateSpec> states;  // recurrent layers (get_state_shapes): one state per session
   speculate::Options speculate;             // --speculate ngram: each decoding session's rows carry its draft

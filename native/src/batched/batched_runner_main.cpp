@@ -463,7 +463,8 @@ int run(const Options& given) {
   std::vector<offgraph::LayerSpec> specs;
   const int64_t chunk = info.max_seq_len;
   for (int64_t l = 0; l < g.n_caches; ++l) specs.push_back({g.kv_heads[l], g.head_dims[l], g.v_dims[l], windows[l]});
-  const EngineOptions eo = engine_options(o, prog, max_session, g.n_shared);
+  EngineOptions eo = engine_options(o, prog, max_session, g.n_shared);
+  eo.capture_replies = o.serve;  // a conversation's next turn resends the reply
   const std::unordered_set<int64_t> stops = stop_ids(o, info, tpl, tok.get());
   Engine engine(prog, specs, chunk, eo, stops);
   if (o.huge_pages) su.huge = back_with_huge_pages();
