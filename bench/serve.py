@@ -84,7 +84,7 @@ def ours(run: Path, sessions: int, prefix: int, threads: int) -> tuple[Process, 
 def llama(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, port: int) -> tuple[Process, str]:
     p = Process([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                  "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
-                 "--jinja", "--no-webui"], r"(server is listening on (http://127\.0\.0\.1:\d+))|main: model loaded")
+                 "--jinja", "--no-webui"], r"listening on http://|model loaded")
     url = f"http://127.0.0.1:{port}"
     import httpx2 as httpx
     for _ in range(600):  # the model loads after the port opens
