@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipeline.serve.templates import TEMPLATES
+
 # the serving form of a recipe: the runtime-owned cache the engine batches over; logits for the rows asked only (the
 # decode rows of several sessions share a forward, a prefill chunk computes no vocabulary product but for its last
 # row); rows for 64 sessions' decode or a prompt's piece a forward; room for a conversation
@@ -77,7 +79,8 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     ap.add_argument("--port", type=int, default=8000, help="port, 0 = any free one (default: %(default)s)")
     ap.add_argument("--model-name", help="the model's id in the API (default: the recipe's model)")
-    ap.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
+    ap.add_argument("--chat-template", help="a Jinja chat template file, or chatml | gemma | llama3, instead of the "
+                    "tokenizer's (default: the tokenizer's, else the built-in one whose turn tokens it holds)")
     ap.add_argument("--sessions", type=int, default=8, help="sessions decoding at once (default: %(default)s)")
     ap.add_argument("--queue", type=int, default=32,
                     help="choices waiting beyond the sessions before a request gets 429 (default: %(default)s)")
@@ -95,8 +98,8 @@ def parse_args(argv=None):
         ap.error(f"--port must be in [0, 65535], got {args.port}")
     if args.timeout <= 0:
         ap.error("--timeout must be > 0")
-    if args.chat_template and not Path(args.chat_template).is_file():
-        ap.error(f"--chat-template {args.chat_template}: no such file")
+    if args.chat_template and args.chat_template not in TEMPLATES and not Path(args.chat_template).is_file():
+        ap.error(f"--chat-template {args.chat_template}: no such file, nor one of {', '.join(TEMPLATES)}")
     return args
 
 
@@ -107,15 +110,16 @@ async def serve(args, run: dict) -> int:
     from pipeline.native import BATCHED_RUNNER, runner_path
     from pipeline.serve.app import Server, make_app
     from pipeline.serve.engine import Engine, EngineError, engine_argv
+    from pipeline.serve.templates import chat_template
 
     runner_path()  # builds native/ if its binaries are missing or stale
     tok = AutoTokenizer.from_pretrained(run["model_dir"])
-    if args.chat_template:
-        tok.chat_template = Path(args.chat_template).read_text()
+    tok.chat_template, turns, where = chat_template(args.chat_template, tok)
+    print(f"[serve] chat template: {where}", file=sys.stderr)
     tokenizer_json = Path(run["model_dir"]) / "tokenizer.json"
     engine = Engine(engine_argv(BATCHED_RUNNER, Path(run["pte"]), tokenizer_json if tokenizer_json.exists() else None,
                                 sessions=args.sessions, prefix_entries=args.prefix_cache_entries,
-                                speculate=args.speculate == "ngram", threads=args.threads))
+                                speculate=args.speculate == "ngram", threads=args.threads, chat=turns))
     try:
         await engine.start()
     except EngineError as e:

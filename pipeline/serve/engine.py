@@ -130,7 +130,7 @@ class Engine:
 
 
 def engine_argv(binary: Path, pte: Path, tokenizer: Optional[Path], *, sessions: int, prefix_entries: int,
-                speculate: bool, threads: int, max_session_tokens: int = 0) -> list[str]:
+                speculate: bool, threads: int, max_session_tokens: int = 0, chat: Optional[str] = None) -> list[str]:
     argv = [str(binary), "--serve", "--pte", str(pte), "--max-decode-sequences", str(sessions),
             "--prefix-cache-entries", str(prefix_entries), "--threads", str(threads),
             "--max-session-tokens", str(max_session_tokens)]
@@ -138,4 +138,6 @@ def engine_argv(binary: Path, pte: Path, tokenizer: Optional[Path], *, sessions:
         argv += ["--tokenizer", str(tokenizer)]
     if speculate:
         argv += ["--speculate", "ngram"]
+    if chat is not None:  # a built-in template's turn end is a stop token too
+        argv += ["--chat", chat]
     return argv
