@@ -110,7 +110,7 @@ class Server:
             raise ApiError(400, str(e), "tools" if forced_tool else "response_format", "invalid_schema") from None
 
     # --- choices -------------------------------------------------------------------------------------------------
-    def start(self, p: Params) -> tuple[list[Choice], list[int]]:
+    def start(self, p: Params) -> list[Choice]:
         """Every choice of the request submitted (n per prompt), after every check."""
         fmt = tool_calls.require_format(self.tok.chat_template, p.tools) if p.tool_choice != "none" else None
         prompts = [self.chat_ids(m, p.tools) for m in p.prompts] if p.chat else [self.prompt_ids(x) for x in p.prompts]
@@ -133,7 +133,7 @@ class Server:
             choices.append(Choice(self.engine, ids, s, lambda x: self.tok.decode(x, skip_special_tokens=True),
                                   self.stop_ids, p.stop, constraints[k]))
         self.inflight += len(choices)
-        return choices, prompts
+        return choices
 
     def finished(self, choices: list[Choice], n: int) -> dict:
         """The request's usage (its prompts counted once, not once per choice), added to the counters."""
@@ -199,7 +199,7 @@ def make_app(server: Server) -> Starlette:
             if p.model and p.model != server.model_name:
                 raise ApiError(404, f"the model {p.model!r} does not exist: this server serves "
                                f"{server.model_name!r}", "model", "model_not_found")
-            choices, _ = server.start(p)
+            choices = server.start(p)
         except ApiError as e:
             server.requests[(route, e.status)] += 1
             return JSONResponse(e.body(), e.status, headers={"Retry-After": "1"} if e.status == 429 else None)

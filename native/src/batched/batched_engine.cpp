@@ -1,8 +1,8 @@
 #include "batched/batched_engine.h"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 namespace llmrt {
@@ -425,6 +425,10 @@ void Engine::fail(Session& s, const std::string& error) {
 
 bool Engine::waiting(const Session& s) const { return s.masked && !s.has_mask; }
 
+bool Engine::steppable(const Session& s) const {
+  return !s.done && (!waiting(s) || (!s.decoding && s.remaining() > 1));  // a waiting prompt's pieces but its last
+}
+
 int64_t Engine::sample(Session& s, const float* row) {
   const int64_t V = prog_.info().vocab_size;
   if (!s.masked) return s.sampler.sample(row, V);
@@ -455,19 +459,19 @@ bool Engine::set_mask(int64_t id, std::vector<uint32_t> bits) {
   const size_t words = static_cast<size_t>((prog_.info().vocab_size + 31) / 32);
   if (bits.size() != words) throw std::invalid_argument("a mask holds " + std::to_string(words) + " words, got " +
                                                         std::to_string(bits.size()));
-  auto set = [&](Session& s) {
-    s.mask = std::move(bits);
-    s.has_mask = true;
-  };
   for (auto& s : active_)
-    if (s && s->gen.req.id == id && s->masked) return set(*s), true;
+    if (s && s->gen.req.id == id && s->masked) {
+      s->mask = std::move(bits);
+      s->has_mask = true;
+      return true;
+    }
   return false;
 }
 
 bool Engine::can_step() const {
   if (!queue_.empty() && static_cast<int64_t>(active_.size()) < o_.max_decode_sequences) return true;
   for (const auto& s : active_)
-    if (s->done || !waiting(*s) || (!s->decoding && s->remaining() > 1)) return true;
+    if (s->done || steppable(*s)) return true;  // a session that is done is retired by the next step
   return false;
 }
 
@@ -483,9 +487,7 @@ std::vector<Generation> Engine::step(EngineStats* st, std::vector<TokenEvent>* t
     else active_.push_back(std::move(s));
   }
   st->peak_sessions = std::max<int64_t>(st->peak_sessions, static_cast<int64_t>(active_.size()));
-  bool runnable = false;
-  for (const auto& s : active_) runnable |= !s->done && (!waiting(*s) || (!s->decoding && s->remaining() > 1));
-  if (runnable) {
+  if (std::any_of(active_.begin(), active_.end(), [&](const auto& s) { return steppable(*s); })) {
     std::vector<Piece> plan = plan_step();
     if (plan.empty()) throw std::logic_error("the scheduler planned an empty step");
     execute(plan, st);

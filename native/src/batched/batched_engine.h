@@ -175,6 +175,7 @@ class Engine {
   void fail(Session& s, const std::string& error);
   int64_t kv_bytes() const;
   bool waiting(const Session& s) const;  // a masked session whose next sample has no mask yet
+  bool steppable(const Session& s) const;  // it can take rows in the next forward
   int64_t sample(Session& s, const float* row);
 
   LlmProgram& prog_;
