@@ -68,8 +68,11 @@ class Choice:
             self.generated += 1
             if self.stops.stopped:
                 continue
-            if self.constraint is not None and t not in self.stop_ids:
-                self.constraint.consume(t)
+            if self.constraint is not None and not self.constraint.done:
+                try:
+                    self.constraint.consume(t)  # its end-of-text token too: the grammar then has ended
+                except ValueError as e:  # a token outside the mask: never, unless the engine sampled wrong
+                    raise GenerationError(f"the grammar refused the engine's token: {e}") from None
             if t in self.stop_ids:
                 continue
             piece = self.stops.push(self.detok.push(t))
@@ -78,9 +81,11 @@ class Choice:
             if self.stops.stopped:
                 self.finish_reason = "stop"
                 self.engine.cancel(self.rid)
-        if self.constraint is not None and not self.stops.stopped and not self.done \
-                and tokens[-1] not in self.stop_ids:
-            self.engine.mask(self.rid, hex_mask(self.constraint))
+        if self.constraint is not None and not self.stops.stopped and not self.done:
+            if self.constraint.done:  # nothing more may follow (ignore_eos would wait for a mask forever)
+                self.engine.cancel(self.rid)
+            else:
+                self.engine.mask(self.rid, hex_mask(self.constraint))
 
     async def run(self) -> str:
         async for _ in self.pieces():
