@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import gguf_file, write_results  # noqa: E402  (bench/ is the script's folder)
+from pipeline.serve.child import READY, ChildServer  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain why the sky is blue.",
            "List three uses for a paperclip.", "Describe how a bicycle works.", "Give me a recipe for pancakes.",
@@ -43,46 +42,22 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Ex
            "Why do cats purr?", "What is a prime number?", "Tell me about the Moon.", "How does rain form?"]
 
 
-class Process:
-    """A server started in the background; its log kept; ready once `pattern` shows in it (its URL)."""
-
-    def __init__(self, argv: list[str], pattern: str, timeout: float = 300):
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True, errors="replace")
-        self.log, self.match = [], None
-        ready = threading.Event()
-
-        def read():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                if self.match is None and re.search(pattern, line):
-                    self.match = re.search(pattern, line)
-                    ready.set()
-            ready.set()
-        threading.Thread(target=read, daemon=True).start()
-        ready.wait(timeout)
-        if self.match is None:
-            self.stop()
-            sys.exit(f"{argv[0]} did not start:\n{''.join(self.log[-30:])}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start(argv: list[str], pattern: str = READY) -> ChildServer:
+    try:
+        return ChildServer(argv, pattern, cwd=ROOT, timeout=300)
+    except RuntimeError as e:
+        sys.exit(str(e))
 
 
-def ours(run: Path, sessions: int, prefix: int, threads: int) -> tuple[Process, str]:
-    p = Process([sys.executable, "-m", "pipeline.serve", "--run", str(run), "--port", "0", "--sessions",
+def ours(run: Path, sessions: int, prefix: int, threads: int) -> tuple[ChildServer, str]:
+    p = start([sys.executable, "-m", "pipeline.serve", "--run", str(run), "--port", "0", "--sessions",
                  str(sessions), "--queue", "64", "--prefix-cache-entries", str(prefix), "--threads", str(threads),
-                 "--speculate", "off"], r" on (http://127\.0\.0\.1:\d+)/v1 ")
+                 "--speculate", "off"])
     return p, p.match.group(1)
 
 
-def llama(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, port: int) -> tuple[Process, str]:
-    p = Process([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+def llama(binary: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, port: int) -> tuple[ChildServer, str]:
+    p = start([str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
                  "-c", str(slots * ctx_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
                  "--jinja", "--no-webui"], r"listening on http://|model loaded")
     url = f"http://127.0.0.1:{port}"

@@ -141,6 +141,7 @@ async def serve(args, run: dict) -> int:
     config = uvicorn.Config(make_app(server), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)
     web = uvicorn.Server(config)
+    # the line a parent waits for (child.READY)
     print(f"[serve] {name} ({run['pte']}) on http://{host}:{port}/v1 ({engine.info['max_decode_sequences']} "
           f"sessions, context {engine.info['max_session_tokens']}, logits {engine.info['logits_mode']})",
           file=sys.stderr, flush=True)
