@@ -26,6 +26,9 @@ INT64 = SCALAR_TYPE_CODES[torch.int64]
 # the config's activation dtypes (export.dtype, verify.runtime.kv_storage_dtype)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
+# K/V storage (cache.kv_dtype, verify.runtime.kv_storage_dtype, --kv-storage-dtype): int8 rows carry their scale
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8}
+KV_DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in KV_DTYPES.items()}
 
 # get_logits_to_keep_mode
 LOGITS_MODE_CODES = {"full": 0, "last": 1, "selected": 2, "tail": 3}

@@ -29,6 +29,14 @@ class DType(str, Enum):
     bf16 = "bf16"
 
 
+class KvDType(str, Enum):
+    """How K/V rows are stored: a float type, or int8 rows with a scale each (pipeline/model/kv/quant.py)."""
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    int8 = "int8"
+
+
 def _choices(name: str, values: list[str]) -> type[Enum]:
     """A str Enum whose member names are its values: OmegaConf looks values up by name, and `8w` is no
     identifier, so these are built with the functional API (LinearScheme["8w"])."""
@@ -179,8 +187,9 @@ class CacheConfig:
     custom_sdpa: bool = False
     custom_kv_cache: bool = False
     # K/V storage of the in-graph fused cache (custom, both flags): null = export.dtype. Half storage halves the
-    # bytes attention reads per token; off-graph programs choose theirs at run time (verify.runtime.kv_storage_dtype)
-    kv_dtype: Optional[DType] = None
+    # bytes attention reads per token, int8 rows (a scale each) quarter them; off-graph programs choose theirs at
+    # run time (verify.runtime.kv_storage_dtype)
+    kv_dtype: Optional[KvDType] = None
 
 
 @dataclass
@@ -251,7 +260,7 @@ class RuntimeCacheConfig:
     kv_max_capacity: Optional[int] = None     # positions; null = export.max_context_len
     kv_initial_capacity: int = 512            # flat pools start here and double up to the capacity
     kv_windows: Optional[List[int]] = None    # pattern repeated over the caches, 0 = flat; null = the program's
-    kv_storage_dtype: Optional[DType] = None  # null = the program's activation dtype
+    kv_storage_dtype: Optional[KvDType] = None  # null = the program's activation dtype
 
 
 @dataclass

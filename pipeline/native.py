@@ -253,13 +253,13 @@ def run_batched(pte: str | os.PathLike, prompts_ids: Sequence[Iterable[int]], *,
 def kv_args(policy, batched: bool = False) -> list[str]:
     """The runners' flags for a runtime-owned cache policy (pipeline.runtimes.CachePolicy); llm_batched_runner
     sizes each session instead."""
-    from pipeline.abi import DTYPE_NAMES
+    from pipeline.abi import KV_DTYPE_NAMES
     args = ["--max-session-tokens" if batched else "--kv-max-capacity", str(policy.capacity),
             "--kv-initial-capacity", str(policy.initial_capacity)]
     if policy.windows is not None:
         args += ["--kv-windows", ",".join(str(w) for w in policy.windows)]
     if policy.kv_dtype is not None:
-        args += ["--kv-storage-dtype", DTYPE_NAMES[policy.kv_dtype]]
+        args += ["--kv-storage-dtype", KV_DTYPE_NAMES[policy.kv_dtype]]
     return args
 
 

@@ -46,7 +46,7 @@ uint16_t to_storage(float f, int dtype) {
 }
 
 float from_storage(uint16_t h, int dtype) {
-  return dtype == kHalf ? llmrt::kv::simd::F16Rows::one(h) : llmrt::kv::simd::BF16Rows::one(h);
+  return dtype == kHalf ? llmrt::kv::simd::F16Rows::one(&h, 0) : llmrt::kv::simd::BF16Rows::one(&h, 0);
 }
 
 // One layer's K/V for `positions` positions (slot = position) and every position's queries [hq][positions][d].

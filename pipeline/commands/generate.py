@@ -142,7 +142,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-max-capacity", type=int, help="runtime-owned cache: positions (default: the context)")
     ap.add_argument("--kv-initial-capacity", type=int, help="runtime-owned cache: flat pools start here")
     ap.add_argument("--kv-windows", help="runtime-owned cache: a window pattern, e.g. 512,512,0 (0 = flat)")
-    ap.add_argument("--kv-storage-dtype", choices=sorted(abi.DTYPES), help="runtime-owned cache storage")
+    ap.add_argument("--kv-storage-dtype", choices=sorted(abi.KV_DTYPES), help="runtime-owned cache storage")
     ap.add_argument("--huge-pages", choices=("on", "off"), default="on",
                     help="back the weights XNNPACK packs and the KV cache with 2 MiB pages after the load (Linux >= "
                          "6.1): faster decode (default: on)")
@@ -153,7 +153,7 @@ def cache_policy(args):
     from pipeline.runtimes.base import CachePolicy
     policy = CachePolicy(capacity=args.kv_max_capacity,
                          windows=[int(w) for w in args.kv_windows.split(",")] if args.kv_windows else None,
-                         kv_dtype=abi.DTYPES[args.kv_storage_dtype] if args.kv_storage_dtype else None)
+                         kv_dtype=abi.KV_DTYPES[args.kv_storage_dtype] if args.kv_storage_dtype else None)
     if args.kv_initial_capacity is not None:
         policy.initial_capacity = args.kv_initial_capacity
     return policy

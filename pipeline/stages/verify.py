@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import native, ops
-from pipeline.abi import DTYPES, EOS_IDS
+from pipeline.abi import EOS_IDS, KV_DTYPES
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.cache_modes import CACHE_MODES
@@ -132,7 +132,7 @@ def cache_policy(ctx) -> CachePolicy:
     return CachePolicy(capacity=rt.kv_max_capacity or ctx.cfg.export.max_context_len,
                        initial_capacity=rt.kv_initial_capacity,
                        windows=list(rt.kv_windows) if rt.kv_windows is not None else None,
-                       kv_dtype=DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None)
+                       kv_dtype=KV_DTYPES[v(rt.kv_storage_dtype)] if rt.kv_storage_dtype is not None else None)
 
 
 def native_args(ctx) -> list[str]:

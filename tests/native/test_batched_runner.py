@@ -111,12 +111,30 @@ def test_sessions_equal_single_session_runs(name, kind, batched_bins, og_program
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_bf16_storage_equals_single_session_runs(kind, batched_bins, og_programs, single):
+@pytest.mark.parametrize("storage,label", [("bf16", "BFloat16"), ("int8", "Int8")])
+def test_stored_kv_equals_single_session_runs(storage, label, kind, batched_bins, og_programs, single):
+    """Cells (and rings) of bf16 or int8 rows: each session's tokens equal a single-session run at the same storage."""
     _, gens, engine = batched(batched_bins, og_programs / "og_gemma3_full.pte", PROMPTS, "--cache-kind", kind,
-                              "--kv-storage-dtype", "bf16", "--kv-initial-capacity", 8, "--max-new-tokens", N_NEW,
+                              "--kv-storage-dtype", storage, "--kv-initial-capacity", 8, "--max-new-tokens", N_NEW,
                               "--ignore-eos")
-    assert tokens(gens) == [single("og_gemma3_full", p, N_NEW, "--kv-storage-dtype", "bf16") for p in PROMPTS]
-    assert "kv_dtype=BFloat16" in engine["cache_report"]
+    assert tokens(gens) == [single("og_gemma3_full", p, N_NEW, "--kv-storage-dtype", storage) for p in PROMPTS]
+    assert f"kv_dtype={label}" in engine["cache_report"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_snapshots_of_int8_rows(kind, batched_bins, og_programs):
+    """Snapshots of int8 rows (their scales inside them) resume as the cold run computes: equal, shorter and
+    extended prompts hit and give the cold tokens."""
+    a = P30[:12]
+    prompts = [a, a, a[:7], a + [5, 6, 7, 8]]
+    args = ["--cache-kind", kind, "--max-decode-sequences", 1, "--max-new-tokens", N_NEW, "--ignore-eos",
+            "--kv-storage-dtype", "int8"]
+    _, cold, _ = batched(batched_bins, og_programs / "og_gemma3_full.pte", prompts, *args)
+    _, warm, engine = batched(batched_bins, og_programs / "og_gemma3_full.pte", prompts, *args,
+                              "--prefix-cache-entries", 4)
+    assert [g["cached_tokens"] for g in warm] == [0, 11, 6, 12]
+    assert tokens(warm) == tokens(cold)
+    assert "kv_dtype=Int8" in engine["cache_report"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -278,7 +296,7 @@ USAGE = [
     (["--cache_kind", "paged"], "--cache-kind expects batched-sequence or batched-cell, got 'paged'"),
     (["--kv_initial_capacity", "-2"], "or -1 for the default"),
     (["--kv_windows", "4,x"], "--kv-windows expects non-negative integers, got 'x'"),
-    (["--kv-storage-dtype", "int8"], "--kv-storage-dtype expects fp32, fp16 or bf16"),
+    (["--kv-storage-dtype", "int4"], "--kv-storage-dtype expects fp32, fp16, bf16 or int8"),
     (["--max-decode-sequences", "0"], "--max-decode-sequences must be >= 1"),
     (["--prefix-cache-entries", "-1"], "--prefix-cache-entries must be >= 0"),
     (["--prompt-rounds", "0"], "--prompt-rounds must be >= 1"),

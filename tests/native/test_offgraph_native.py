@@ -171,7 +171,7 @@ def test_runner_offgraph_program_needs_capacity(native_bins, og_programs):
     (["--kv-windows", "4,0"], "need --kv-max-capacity"),
     (["--kv-max-capacity", "64", "--kv-initial-capacity", "0"], "--kv-initial-capacity must be >= 1"),
     (["--kv-max-capacity", "64", "--kv-initial-capacity", "-3"], "--kv-initial-capacity must be >= 1"),
-    (["--kv-max-capacity", "64", "--kv-storage-dtype", "int8"], "expects fp32, fp16 or bf16"),
+    (["--kv-max-capacity", "64", "--kv-storage-dtype", "int4"], "expects fp32, fp16, bf16 or int8"),
     (["--kv-max-capacity", "64", "--kv-windows", "4,x"], "non-negative integers"),
     (["--kv-max-capacity", "-1"], "must be >= 0"),
     (["--kv_max_capacity", "64", "--kv_initial_capacity", "-2"], "or -1 for the default (512, clamped"),
@@ -211,11 +211,14 @@ class _OneOp(torch.nn.Module):
         return torch.ops.llmpipe.update_and_attend(q, k, v, pos, 1, 0.3, self.dtype)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, TOL), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)],
-                         ids=["fp32", "fp16", "bf16"])
-def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
+@pytest.mark.parametrize("dtype,storage,tol", [(torch.float32, None, TOL), (torch.float16, None, 1e-3),
+                                               (torch.bfloat16, None, 1e-2), (torch.float32, torch.int8, 1e-4),
+                                               (torch.bfloat16, torch.int8, 1e-2)],
+                         ids=["fp32", "fp16", "bf16", "fp32-int8kv", "bf16-int8kv"])
+def test_kernel_matches_python_op(dtype, storage, tol, tmp_path, native_bins):
     """The C++ kernel against the Python reference on a ring (w=5, chunk 4, wraps) next to a flat
-    layer, with GQA 6/2 and Dv != D, in each activation/storage dtype."""
+    layer, with GQA 6/2 and Dv != D, in each activation dtype, K/V stored in it or as int8 rows (the same rounding
+    on both sides: the references' int8 values and scales are the kernel's)."""
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
@@ -232,8 +235,8 @@ def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
     load_native_kernels()
     method = Runtime.get().load_program(str(tmp_path / "op.pte")).load_method("forward")
     specs = [LayerSpec(2, 8, 4, 0), LayerSpec(2, 8, 4, 5)]  # cache_id 1 = the ring
-    native = NativeOffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
-    ref = OffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=dtype)
+    native = NativeOffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=storage or dtype)
+    ref = OffgraphCache(specs, capacity=40, max_write=4, initial_capacity=2, dtype=storage or dtype)
     g = torch.Generator().manual_seed(0)
     pos = 0
     for n in [4, 3, 1, 1, 4, 2, 1, 4, 1]:  # 21 positions: the 8-slot ring wraps twice
@@ -251,10 +254,11 @@ def test_kernel_matches_python_op(dtype, tol, tmp_path, native_bins):
         pos += n
 
 
-@pytest.mark.parametrize("dtype,esize", [("fp32", 4), ("bf16", 2)])
-def test_runner_ring_memory_equals_formula(dtype, esize, native_bins, og_programs):
+@pytest.mark.parametrize("dtype,slot_bytes", [("fp32", 2 * 16 * 4), ("bf16", 2 * 16 * 2), ("int8", 2 * (16 + 4))])
+def test_runner_ring_memory_equals_formula(dtype, slot_bytes, native_bins, og_programs):
     """og_gemma3: 2 ring layers hold window 16 + chunk 8 - 1 = 23 slots each, the flat layer grows
-    from 8 by doubling to cover the sequence; 1 KV head, K and V of 16 dims each."""
+    from 8 by doubling to cover the sequence; 1 KV head, K and V of 16 dims each (an int8 row: 16 values and one
+    group's 4-byte scale)."""
     proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids", ids_arg(ote.PROMPT_IDS),
                       "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", ote.CTX, "--kv-initial-capacity", 8,
                       "--kv-storage-dtype", dtype, "--ignore-eos", "--quiet")
@@ -265,7 +269,7 @@ def test_runner_ring_memory_equals_formula(dtype, esize, native_bins, og_program
     while flat < s["cache_length"]:
         flat *= 2
     assert s["cache_length"] > 2 * ote.WINDOW and flat == 64  # the rings wrapped, the pool doubled 3 times
-    assert s["cache_bytes"] == (2 * (ote.WINDOW + ote.CHUNK - 1) + min(flat, ote.CTX)) * 1 * (16 + 16) * esize
+    assert s["cache_bytes"] == (2 * (ote.WINDOW + ote.CHUNK - 1) + min(flat, ote.CTX)) * 1 * slot_bytes
     assert f"K/V storage {s['cache_bytes'] / 1024:.1f} KiB" in proc.stderr
     assert s["cache_report"].startswith(f"[cache] off-graph seq | capacity={ote.CTX} initial=8")
 

@@ -35,6 +35,20 @@ def _speculate(m: dict, new: int, *extra: str) -> dict:
                                   *extra])
 
 
+@pytest.mark.parametrize("make,extra", [
+    (lambda: build("tiny_gemma3_custom", "cache.kv_dtype=int8", "verify.enabled=false"), ()),
+    (lambda: build("tiny_gemma3_offgraph", "verify.enabled=false"), ("--kv-storage-dtype", "int8")),
+], ids=["custom-int8-rings", "offgraph-int8-rings"])
+def test_speculation_on_int8_rows_keeps_the_plain_tokens(native_bins, make, extra):
+    """Rollback over int8 K/V rows, rings wrapped: the greedy tokens of the plain run at the same storage."""
+    m = make()
+    stats = _speculate(m, min(42, m["config"]["export"]["max_context_len"] - len(PROMPT) - 1), *extra)
+    spec = stats["speculation"]
+    assert spec["identical"] is True and spec["drafted"] > 0, spec
+    if extra:
+        assert "kv_dtype=Int8" in stats["cache_report"]
+
+
 @pytest.mark.parametrize("make", [
     lambda: build("tiny_llama_offgraph", "verify.enabled=false"),
     lambda: build("tiny_gemma3_custom", "verify.enabled=false"),     # rings in the program

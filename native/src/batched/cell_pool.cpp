@@ -11,15 +11,15 @@ using offgraph::LayerSpec;
 CellPool::CellPool(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_write, int64_t initial_cells,
                    int dtype_code, std::vector<offgraph::StateSpec> states)
     : states_(std::move(states)), capacity_(capacity), max_write_(max_write), initial_(initial_cells),
-      dtype_(dtype_code), esize_(kv::element_size(dtype_code)) {
+      dtype_(dtype_code) {
   offgraph::RecurrentStates check(states_);  // a bad shape throws here, not at the first session
   if (capacity < 1) throw std::invalid_argument("session capacity must be >= 1, got " + std::to_string(capacity));
   if (max_write < 1) throw std::invalid_argument("max_write must be >= 1, got " + std::to_string(max_write));
   if (initial_cells < 1)
     throw std::invalid_argument("initial KV capacity must be >= 1, got " + std::to_string(initial_cells));
-  if (esize_ == 0)
+  if (kv::row_bytes(dtype_code, 1) == 0)
     throw std::invalid_argument("KV storage dtype code " + std::to_string(dtype_code) +
-                                " is not supported (Float, Half or BFloat16)");
+                                " is not supported (Float, Half, BFloat16 or Char: int8 rows)");
   if (specs.empty()) throw std::invalid_argument("an off-graph cache needs at least one layer");
   initial_ = std::min(initial_, capacity_);
   std::map<int64_t, int> group_of_ring;
@@ -46,8 +46,8 @@ void CellPool::grow(int group) {
   for (int l : G.layers) {
     Layer& L = layers_[l];
     // resize keeps the existing cells where they are (indices never move)
-    L.k.resize(offgraph::storage_bytes(n, L.spec.kv_heads, L.spec.head_dim, esize_), 0);
-    L.v.resize(offgraph::storage_bytes(n, L.spec.kv_heads, L.spec.v_dim, esize_), 0);
+    L.k.resize(offgraph::storage_bytes(n, L.spec.kv_heads, kv::row_bytes(dtype_, L.spec.head_dim), 1), 0);
+    L.v.resize(offgraph::storage_bytes(n, L.spec.kv_heads, kv::row_bytes(dtype_, L.spec.v_dim), 1), 0);
   }
   G.refs.resize(static_cast<size_t>(n), 0);
   for (int64_t c = n - 1; c >= G.allocated; --c) G.free.push_back(static_cast<int32_t>(c));

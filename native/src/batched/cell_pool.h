@@ -78,7 +78,7 @@ class CellPool {
   std::vector<Group> groups_;
   std::vector<offgraph::StateSpec> states_;
   int64_t capacity_, max_write_, initial_;
-  int dtype_, esize_;
+  int dtype_;
 };
 
 class CellCache final : public SessionCache {

@@ -19,10 +19,13 @@ using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 
 // One storage row (D elements of type code `dtype`) as fp32: the row itself when stored as fp32, else
-// converted into buf.
+// converted into buf (an int8 row: its values times their group's scale, as the Python twin dequantizes).
 inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* buf) {
   switch (dtype) {
     case kFloat: return reinterpret_cast<const float*>(row);
+    case kChar:
+      simd::to_float_row<simd::I8Rows>(reinterpret_cast<const int8_t*>(row + int8_scale_bytes(D)), buf, D);
+      return buf;
     case kHalf: simd::to_float_row<simd::F16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
     default: simd::to_float_row<simd::BF16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
   }
@@ -84,9 +87,10 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   using E = typename R::E;
   const SlotView& s = g.view;
   const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), Hkv = s.kv_heads, group = Hq / Hkv;
-  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
+  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);  // bytes
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
-  const int64_t kbytes = D * static_cast<int64_t>(sizeof(E)), vbytes = Dv * static_cast<int64_t>(sizeof(E));
+  const int64_t kbytes = s.row(D), vbytes = s.row(Dv);
+  const int64_t kvals = s.values_offset(D), vvals = s.values_offset(Dv);  // an int8 row's scales come first
   const int64_t qpos = g.pos + i;
   int64_t lo = g.base;  // visible logical keys [lo, qpos]
   if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
@@ -110,14 +114,16 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
     part.l[h] = 0.f;
   }
   std::fill(part.acc, part.acc + Hq * Dv, 0.f);
-  const E* kbase = reinterpret_cast<const E*>(s.k);
-  const E* vbase = reinterpret_cast<const E*>(s.v);
   const int64_t* slots = g.read;  // slots[key - base]: the key's physical slot
-  auto krow = [&](int64_t key, int64_t kh) { return kbase + slots[key - g.base] * kstride + kh * khead; };
-  auto vrow = [&](int64_t key, int64_t kh) { return vbase + slots[key - g.base] * vstride + kh * vhead; };
+  auto krow = [&](int64_t key, int64_t kh) {
+    return reinterpret_cast<const E*>(s.k + slots[key - g.base] * kstride + kh * khead + kvals);
+  };
+  auto vrow = [&](int64_t key, int64_t kh) {
+    return reinterpret_cast<const E*>(s.v + slots[key - g.base] * vstride + kh * vhead + vvals);
+  };
   auto ask = [&](int64_t key, int64_t kh) {  // the key's K and V rows of KV head kh, to be read soon
-    prefetch(krow(key, kh), kbytes);
-    prefetch(vrow(key, kh), vbytes);
+    prefetch(reinterpret_cast<const uint8_t*>(krow(key, kh)) - kvals, kbytes);
+    prefetch(reinterpret_cast<const uint8_t*>(vrow(key, kh)) - vvals, vbytes);
   };
   for (int64_t key = k0; key < std::min(k1, k0 + kBlock); ++key)  // the first block
     for (int64_t kh = 0; kh < Hkv; ++kh) ask(key, kh);
@@ -195,9 +201,8 @@ void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
                  int out_code, std::vector<float>& scratch) {
   const SlotView& s = g.view;
   const int64_t D = s.head_dim, Dv = s.v_dim, Hq = q.size(1), Hkv = s.kv_heads, group = Hq / Hkv, nv = R * group;
-  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);
+  const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);  // bytes
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
-  const int es = element_size(s.dtype);
   // visible keys of row r: [lo[r], hi[r]); the first row sees the lowest, the last the highest
   int64_t lo[kTileRows], hi[kTileRows];
   for (int64_t r = 0; r < R; ++r) {
@@ -234,8 +239,8 @@ void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
       // every key is scored by the same four-key code wherever the block starts and ends
       for (int64_t j = 0; j < kBlock; ++j) {
         const int64_t key = std::clamp(b0 + j, first, end - 1), slot = g.read[key - g.base];
-        krows[j] = as_float(s.k + (slot * kstride + kh * khead) * es, s.dtype, D, kbuf + j * D);
-        vrows[j] = as_float(s.v + (slot * vstride + kh * vhead) * es, s.dtype, Dv, vbuf + j * Dv);
+        krows[j] = as_float(s.k + slot * kstride + kh * khead, s.dtype, D, kbuf + j * D);
+        vrows[j] = as_float(s.v + slot * vstride + kh * vhead, s.dtype, Dv, vbuf + j * Dv);
       }
       const int64_t nb = (end - b0 + 3) / 4 * 4;  // rows of the block in use, in fours
       const float* qg = qs + kh * nv * D;
@@ -332,6 +337,7 @@ void attend_segments_core(const Segment* segs, int n, const Tensor& q, float sca
       switch (s.view.dtype) {
         case kFloat: attend_unit<simd::F32Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
         case kHalf: attend_unit<simd::F16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
+        case kChar: attend_unit<simd::I8Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
         default: attend_unit<simd::BF16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
       }
       if (sn == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);

@@ -2,7 +2,8 @@
 // mutable buffer of the program (one per layer); the op writes this step's K/V into it in place
 // and attends over the history with the attention core shared with the off-graph op.
 //
-//   q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv]; k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv];
+//   q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv]; k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv] (Float, Half or
+//   BFloat16; or Char: int8 rows, D values and a 4-byte scale per group of 32 each, kv_attention.h);
 //   position [T] (consecutive), window (0 = full attention over a flat cache of `slots` positions;
 //   w > 0 = a ring of `slots`, slot = position % slots; a wrapping step needs w + T - 1 <= slots);
 //   sinks: none, or Float [Hq] (gpt-oss: a per-head logit each row's softmax also counts); out [1,Hq,T,Dv] in q's dtype.
@@ -30,12 +31,13 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
   StepArgs a;
   std::string why;
   if (!check_step_args(q, k, v, position, q.scalar_type(), out, &a, &why)) return fail(why);
-  if (k_cache.dim() != 3 || v_cache.dim() != 3 || k_cache.size(1) != a.Hkv || k_cache.size(2) != a.D ||
-      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != a.Hkv || v_cache.size(2) != a.Dv)
-    return fail("caches must be [slots,Hkv,D] and [slots,Hkv,Dv] matching k and v");
   const int dtype = static_cast<int>(k_cache.scalar_type());
-  if (element_size(dtype) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
-    return fail("caches must both be Float, Half or BFloat16");
+  if (row_bytes(dtype, 1) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
+    return fail("caches must both be Float, Half, BFloat16 or Char (int8 rows)");
+  if (k_cache.dim() != 3 || v_cache.dim() != 3 || k_cache.size(1) != a.Hkv ||
+      k_cache.size(2) != row_elements(dtype, a.D) || v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != a.Hkv ||
+      v_cache.size(2) != row_elements(dtype, a.Dv))
+    return fail("caches must be [slots,Hkv,D] and [slots,Hkv,Dv] matching k and v (int8: rows with their scales)");
   const int64_t slots = k_cache.size(0);
   if (window < 0) return fail("negative window " + std::to_string(window));
   if (window == 0 && a.pos + a.T > slots)
@@ -62,16 +64,18 @@ Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   auto fail = [&](const std::string& why) -> Tensor& {
     return ::llmrt::kernels::refuse(ctx, out, "llmpipe::cached_attend", why);
   };
+  const int dtype = static_cast<int>(k_cache.scalar_type());
+  if (row_bytes(dtype, 1) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
+    return fail("caches must both be Float, Half, BFloat16 or Char (int8 rows)");
   if (q.dim() != 4 || q.size(0) != 1 || k_cache.dim() != 3 || v_cache.dim() != 3 ||
-      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) || k_cache.size(2) != q.size(3))
-    return fail("q must be [1,Hq,T,D] and the caches [slots,Hkv,D], [slots,Hkv,Dv]");
+      v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) ||
+      k_cache.size(2) != row_elements(dtype, q.size(3)) || row_values(dtype, v_cache.size(2)) < 1)
+    return fail("q must be [1,Hq,T,D] and the caches [slots,Hkv,D], [slots,Hkv,Dv] (int8: rows with their scales)");
   StepArgs a;
-  a.Hq = q.size(1), a.T = q.size(2), a.D = q.size(3), a.Hkv = k_cache.size(1), a.Dv = v_cache.size(2);
+  a.Hq = q.size(1), a.T = q.size(2), a.D = q.size(3), a.Hkv = k_cache.size(1);
+  a.Dv = row_values(dtype, v_cache.size(2));
   if (a.Hq % a.Hkv != 0) return fail("query heads are not a multiple of the KV heads");
   if (element_size(static_cast<int>(q.scalar_type())) == 0) return fail("q must be Float, Half or BFloat16");
-  const int dtype = static_cast<int>(k_cache.scalar_type());
-  if (element_size(dtype) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
-    return fail("caches must both be Float, Half or BFloat16");
   if (position.numel() != a.T || a.T < 1) return fail("position must have one entry per query row");
   a.pos = position_at(position, 0);
   for (int64_t i = 1; i < a.T; ++i)

@@ -17,6 +17,7 @@ using executorch::aten::Tensor;
 
 const char* dtype_name(int code) {
   switch (code) {
+    case kChar: return "Int8";
     case kHalf: return "Half";
     case kFloat: return "Float";
     case kBFloat16: return "BFloat16";
@@ -31,6 +32,19 @@ int element_size(int code) {
     case kFloat: return 4;
     default: return 0;
   }
+}
+
+int64_t row_bytes(int code, int64_t dim) {
+  return code == kChar ? row_elements(code, dim) : element_size(code) * dim;
+}
+
+int64_t row_values(int code, int64_t elements) {
+  if (code != kChar) return elements;
+  for (int64_t groups = 1; 4 * groups < elements; ++groups) {
+    const int64_t dim = elements - 4 * groups;
+    if (dim > kInt8Group * (groups - 1) && dim <= kInt8Group * groups) return dim;
+  }
+  return -1;
 }
 
 int make_runs(int64_t start, int64_t count, int64_t ring, Run* runs) {
@@ -133,29 +147,30 @@ void plan_slots(const Plan& p, std::vector<int64_t>* write, std::vector<int64_t>
 void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
   const SlotView& s = g.view;
   const int64_t Ttot = k.size(2), Hkv = s.kv_heads, D = s.head_dim, Dv = s.v_dim;
-  const int es = element_size(s.dtype);
-  const bool k_same = static_cast<int>(k.scalar_type()) == s.dtype;
-  const bool v_same = static_cast<int>(v.scalar_type()) == s.dtype;
   const auto* kd = static_cast<const uint8_t*>(k.const_data_ptr());
   const auto* vd = static_cast<const uint8_t*>(v.const_data_ptr());
+  std::vector<float> buf(static_cast<size_t>(std::max(D, Dv)));
+  // one input row (n elements at element index i of a step tensor) into a storage row
+  auto put = [&](uint8_t* dst, const uint8_t* src, ScalarType t, int64_t i, int64_t n) {
+    if (static_cast<int>(t) == s.dtype) {
+      std::copy_n(src + i * element_size(s.dtype), n * element_size(s.dtype), dst);
+      return;
+    }
+    if (s.dtype == kChar) {
+      for (int64_t d = 0; d < n; ++d) buf[d] = load(src, t, i + d);
+      quantize_row(buf.data(), n, dst);
+      return;
+    }
+    for (int64_t d = 0; d < n; ++d) store(dst, s.dtype, d, load(src, t, i + d));
+  };
   for (int64_t t = 0; t < g.T; ++t) {
     const int64_t slot = g.write[t], row = g.row0 + t;
-    uint8_t* ks = s.k + slot * s.slot_stride(D) * es;
-    uint8_t* vs = s.v + slot * s.slot_stride(Dv) * es;
+    uint8_t* ks = s.k + slot * s.slot_stride(D);
+    uint8_t* vs = s.v + slot * s.slot_stride(Dv);
     for (int64_t h = 0; h < Hkv; ++h) {
-      // input [1,Hkv,Ttot,D] -> storage [slot][Hkv][D] (or [Hkv][slot][D], head-major)
-      const int64_t ki = (h * Ttot + row) * D, vi = (h * Ttot + row) * Dv;
-      const int64_t ko = h * s.head_stride(D), vo = h * s.head_stride(Dv);
-      if (k_same) {
-        std::copy_n(kd + ki * es, D * es, ks + ko * es);
-      } else {
-        for (int64_t d = 0; d < D; ++d) store(ks, s.dtype, ko + d, load(kd, k.scalar_type(), ki + d));
-      }
-      if (v_same) {
-        std::copy_n(vd + vi * es, Dv * es, vs + vo * es);
-      } else {
-        for (int64_t d = 0; d < Dv; ++d) store(vs, s.dtype, vo + d, load(vd, v.scalar_type(), vi + d));
-      }
+      // input [1,Hkv,Ttot,D] -> storage [slot][Hkv][row] (or [Hkv][slot][D], head-major)
+      put(ks + h * s.head_stride(D), kd, k.scalar_type(), (h * Ttot + row) * D, D);
+      put(vs + h * s.head_stride(Dv), vd, v.scalar_type(), (h * Ttot + row) * Dv, Dv);
     }
   }
 }

@@ -2,7 +2,7 @@
 //   - llmpipe::update_and_attend (off-graph: the runtime owns the cache, offgraph_kernel.cpp)
 //   - llmpipe::cached_attention  (custom: the cache is a mutable buffer of the program, custom_kernel.cpp)
 //
-// Both store K/V slot-major, [slot][kv_head][dim], in Float, Half or BFloat16, a layer being
+// Both store K/V slot-major, [slot][kv_head][row], in Float, Half, BFloat16 or int8 rows, a layer being
 // either flat (slot = position) or a ring of `ring` slots (slot = position % ring). A step writes
 // logical positions [pos, pos+T) and reads [base, end) oldest to newest, each as at most two runs
 // of consecutive slots (a Plan). Attention runs in fp32, in work units over every head (a decode step's
@@ -19,9 +19,20 @@
 namespace llmrt::kv {
 
 // ExecuTorch ScalarType codes.
-constexpr int kHalf = 5, kFloat = 6, kBFloat16 = 15;
+constexpr int kChar = 1, kHalf = 5, kFloat = 6, kBFloat16 = 15;
 const char* dtype_name(int code);
-int element_size(int code);  // 0 if unsupported
+int element_size(int code);  // a float type's bytes; 0 otherwise
+
+// K/V storage rows. A float type stores dim elements. kChar (int8) stores dim int8 values in groups of 32 (the last
+// may be shorter), each with an fp32 scale (symmetric: scale = max |x| / 127, value = round(x / scale)); the scales
+// come first, in reverse (group 0's right before the values), so a reader finds a group's scale from the values'
+// address alone. A row is self-contained wherever it moves (cells, snapshots, rings).
+constexpr int64_t kInt8Group = 32;
+inline int64_t int8_scale_bytes(int64_t dim) { return 4 * ((dim + kInt8Group - 1) / kInt8Group); }
+int64_t row_bytes(int code, int64_t dim);  // 0 if the code is no storage type
+// A row's stored width in the code's elements (the last dim of an in-graph cache buffer), and back
+inline int64_t row_elements(int code, int64_t dim) { return code == kChar ? dim + int8_scale_bytes(dim) : dim; }
+int64_t row_values(int code, int64_t elements);  // -1 if no row of the code is that wide
 
 struct Run {
   int64_t slot = 0, count = 0;
@@ -68,14 +79,16 @@ struct SlotView {
   int64_t kv_heads = 0, head_dim = 0, v_dim = 0;
   int dtype = kFloat;  // storage dtype code
   int64_t window = 0;  // 0 = full attention
-  // 0: slot-major [slot][kv_head][dim]; > 0: head-major BHSD [kv_head][slot][dim] over this many slots
-  // (HF's static cache layout, which llmpipe::sdpa / llmpipe::update_cache read and write)
+  // 0: slot-major [slot][kv_head][row]; > 0: head-major BHSD [kv_head][slot][dim] over this many slots
+  // (HF's static cache layout, which llmpipe::sdpa / llmpipe::update_cache read and write; float types only)
   int64_t head_major_slots = 0;
   // per query head, a sink logit every row's softmax also counts, whose value row is zero (gpt-oss), or none
   const float* sinks = nullptr;
-  // elements between consecutive slots / kv heads of the keys (dim = head_dim) or values (dim = v_dim)
-  int64_t slot_stride(int64_t dim) const { return head_major_slots ? dim : kv_heads * dim; }
-  int64_t head_stride(int64_t dim) const { return head_major_slots ? head_major_slots * dim : dim; }
+  // bytes of one row, and between consecutive slots / kv heads, of the keys (dim = head_dim) or values (dim = v_dim)
+  int64_t row(int64_t dim) const { return row_bytes(dtype, dim); }
+  int64_t values_offset(int64_t dim) const { return dtype == kChar ? int8_scale_bytes(dim) : 0; }
+  int64_t slot_stride(int64_t dim) const { return head_major_slots ? row(dim) : kv_heads * row(dim); }
+  int64_t head_stride(int64_t dim) const { return head_major_slots ? head_major_slots * row(dim) : row(dim); }
 };
 
 // Writes k [1,Hkv,T,D] and v [1,Hkv,T,Dv] (any float type) at the plan's write runs.

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include <executorch/runtime/core/exec_aten/exec_aten.h>
 
@@ -45,6 +47,23 @@ inline void store_row(void* out, int code, int64_t o, const float* x, int64_t n)
       for (int64_t d = 0; d < n; ++d) static_cast<BFloat16*>(out)[o + d] = BFloat16(x[d]);
       break;
     default: break;
+  }
+}
+
+// An int8 storage row (kv_attention.h) of x[d], d < n, at out: each group's scale (fp32, the last group's first),
+// then the values. The Python twin (pipeline/model/kv/quant.py) rounds the same way: scale = max|x| / 127 over the
+// group, value = round half to even of x / scale.
+inline void quantize_row(const float* x, int64_t n, uint8_t* out) {
+  const int64_t head = int8_scale_bytes(n);
+  auto* q = reinterpret_cast<int8_t*>(out + head);
+  for (int64_t g0 = 0; g0 < n; g0 += kInt8Group) {
+    const int64_t g1 = std::min(n, g0 + kInt8Group);
+    float amax = 0.f;
+    for (int64_t d = g0; d < g1; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float scale = amax / 127.f;
+    for (int64_t d = g0; d < g1; ++d)
+      q[d] = scale > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.f, 127.f)) : 0;
+    std::memcpy(out + head - 4 * (g0 / kInt8Group + 1), &scale, sizeof scale);
   }
 }
 

@@ -38,17 +38,16 @@ size_t storage_bytes(int64_t positions, int64_t heads, int64_t dim, int esize) {
 
 OffgraphKvCache::OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity,
                                  int64_t max_write, int64_t initial_capacity, int dtype_code)
-    : capacity_(capacity), max_write_(max_write), initial_(initial_capacity), dtype_(dtype_code),
-      esize_(element_size(dtype_code)) {
+    : capacity_(capacity), max_write_(max_write), initial_(initial_capacity), dtype_(dtype_code) {
   if (capacity < 1) throw std::invalid_argument("KV capacity must be >= 1, got " + std::to_string(capacity));
   if (max_write < 1)
     throw std::invalid_argument("max_write (prefill chunk) must be >= 1, got " + std::to_string(max_write));
   if (initial_capacity < 1)
     throw std::invalid_argument("initial KV capacity must be >= 1, got " +
                                 std::to_string(initial_capacity));
-  if (esize_ == 0)
+  if (kv::row_bytes(dtype_code, 1) == 0)
     throw std::invalid_argument("KV storage dtype code " + std::to_string(dtype_code) +
-                                " is not supported (Float, Half or BFloat16)");
+                                " is not supported (Float, Half, BFloat16 or Char: int8 rows)");
   if (specs.empty()) throw std::invalid_argument("an off-graph cache needs at least one layer");
   initial_ = std::min(initial_, capacity_);
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -66,8 +65,8 @@ OffgraphKvCache::OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity,
     } else {
       L.allocated = initial_;
     }
-    L.k.assign(storage_bytes(L.allocated, s.kv_heads, s.head_dim, esize_), 0);
-    L.v.assign(storage_bytes(L.allocated, s.kv_heads, s.v_dim, esize_), 0);
+    L.k.assign(storage_bytes(L.allocated, s.kv_heads, kv::row_bytes(dtype_, s.head_dim), 1), 0);
+    L.v.assign(storage_bytes(L.allocated, s.kv_heads, kv::row_bytes(dtype_, s.v_dim), 1), 0);
     layers_.push_back(std::move(L));
   }
 }
@@ -112,19 +111,19 @@ void OffgraphKvCache::ensure(int layer, int64_t end) {
   while (n < end) n *= 2;
   n = std::min(n, capacity_);
   // resize keeps the existing cells where they are (slot index = position)
-  L.k.resize(storage_bytes(n, L.spec.kv_heads, L.spec.head_dim, esize_), 0);
-  L.v.resize(storage_bytes(n, L.spec.kv_heads, L.spec.v_dim, esize_), 0);
+  L.k.resize(storage_bytes(n, L.spec.kv_heads, kv::row_bytes(dtype_, L.spec.head_dim), 1), 0);
+  L.v.resize(storage_bytes(n, L.spec.kv_heads, kv::row_bytes(dtype_, L.spec.v_dim), 1), 0);
   L.allocated = n;
 }
 
 uint8_t* OffgraphKvCache::k_slot(int layer, int64_t slot) {
   Layer& L = layers_[layer];
-  return L.k.data() + static_cast<size_t>(slot * L.spec.kv_heads * L.spec.head_dim * esize_);
+  return L.k.data() + static_cast<size_t>(slot * L.spec.kv_heads * kv::row_bytes(dtype_, L.spec.head_dim));
 }
 
 uint8_t* OffgraphKvCache::v_slot(int layer, int64_t slot) {
   Layer& L = layers_[layer];
-  return L.v.data() + static_cast<size_t>(slot * L.spec.kv_heads * L.spec.v_dim * esize_);
+  return L.v.data() + static_cast<size_t>(slot * L.spec.kv_heads * kv::row_bytes(dtype_, L.spec.v_dim));
 }
 
 kv::SlotView OffgraphKvCache::view(int layer) {
@@ -354,6 +353,7 @@ int parse_dtype(const std::string& text) {
   if (t == "fp32" || t == "float32" || t == "float") return kFloat;
   if (t == "fp16" || t == "float16" || t == "half") return kHalf;
   if (t == "bf16" || t == "bfloat16") return kBFloat16;
+  if (t == "int8") return kv::kChar;
   return -1;
 }
 

@@ -33,7 +33,8 @@
 //   - rewind(target): target <= length and not below what the rings still hold.
 //   - snapshot / restore: the length and the recurrent states (a copy), taken before a speculative verify
 //     step; restore goes back to them (the rings' floor as for a rewind), and the caller replays what it keeps.
-// Storage: [slot][kv_head][dim], dtype Float, Half or BFloat16 (writes cast).
+// Storage: [slot][kv_head][row], dtype Float, Half or BFloat16 (writes cast), or int8 rows with their scale
+// (kv_attention.h).
 //
 // Recurrent layers (set_states: the program's get_layer_kinds / get_state_shapes) keep a fixed-size state here
 // beside the attention caches, fp32 whatever the K/V dtype: a Gated DeltaNet's [heads][key dim][value dim] matrix and
@@ -133,7 +134,7 @@ class OffgraphKvCache {
 
   // Grows a flat pool to hold [0, end) (doubling, up to capacity).
   void ensure(int layer, int64_t end);
-  // Storage of physical slot `slot`: kv_heads * dim elements of dtype().
+  // Storage of physical slot `slot`: kv_heads rows of dtype() (kv::row_bytes).
   uint8_t* k_slot(int layer, int64_t slot);
   uint8_t* v_slot(int layer, int64_t slot);
   // The layer's storage for the attention core (valid until the next ensure()).
@@ -180,7 +181,7 @@ class OffgraphKvCache {
   std::vector<Layer> layers_;
   RecurrentStates states_;
   int64_t capacity_, max_write_, initial_;
-  int dtype_, esize_;
+  int dtype_;
   int64_t length_ = 0;
   int64_t shared_ = 0;
 };

@@ -78,6 +78,9 @@ inline V8 bf16x8(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
+inline V8 i8x8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
 #endif
 
 #ifdef LLMPIPE_NEON
@@ -121,36 +124,55 @@ inline V8 bf16x8(const uint16_t* p) {
   const uint16x8_t w = vld1q_u16(p);
   return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(w), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(w, 16))};
 }
+inline V8 i8x8(const int8_t* p) {
+  const int16x8_t w = vmovl_s8(vld1_s8(p));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
+}
 #endif
 
-// How the elements of a K/V row load as fp32, by storage type: one at a time, and (V8) eight at a time. The
-// loops below take rows of any of them and convert in registers, so a half row is never copied to fp32 first
-// (the same values: the conversions are exact).
+// How element i of a K/V row (its first element at p) loads as fp32, by storage type: one at a time, and (V8) eight
+// at a time from an i that is a multiple of 8. The loops below take rows of any of them and convert in registers, so
+// a half or int8 row is never copied to fp32 first (the same values: the float conversions are exact, an int8 value
+// times its group's scale rounds once, as the Python twin's dequantization does).
 struct F32Rows {
   using E = float;
-  static float one(float x) { return x; }
+  static float one(const float* p, int64_t i) { return p[i]; }
 #ifdef LLMPIPE_V8
-  static V8 eight(const float* p) { return load8(p); }
+  static V8 eight(const float* p, int64_t i) { return load8(p + i); }
 #endif
 };
 inline float half_to_float(uint16_t h);
 struct F16Rows {
   using E = uint16_t;
-  static float one(uint16_t x) { return half_to_float(x); }
+  static float one(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
 #ifdef LLMPIPE_V8
-  static V8 eight(const uint16_t* p) { return f16x8(p); }
+  static V8 eight(const uint16_t* p, int64_t i) { return f16x8(p + i); }
 #endif
 };
 struct BF16Rows {
   using E = uint16_t;
-  static float one(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  static float one(const uint16_t* p, int64_t i) {
+    const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
   }
 #ifdef LLMPIPE_V8
-  static V8 eight(const uint16_t* p) { return bf16x8(p); }
+  static V8 eight(const uint16_t* p, int64_t i) { return bf16x8(p + i); }
+#endif
+};
+// int8 values in groups of 32, each group's fp32 scale stored before the values, the first group's nearest
+// (kv_attention.h): the scale of element i sits 4 * (i / 32 + 1) bytes before the values.
+struct I8Rows {
+  using E = int8_t;
+  static float scale(const int8_t* p, int64_t i) {
+    float s;
+    std::memcpy(&s, p - 4 * (i / 32 + 1), 4);
+    return s;
+  }
+  static float one(const int8_t* p, int64_t i) { return static_cast<float>(p[i]) * scale(p, i); }
+#ifdef LLMPIPE_V8
+  static V8 eight(const int8_t* p, int64_t i) { return mul8(i8x8(p + i), splat8(scale(p, i))); }
 #endif
 };
 
@@ -162,13 +184,13 @@ inline float dot(const float* a, const typename R::E* b, int64_t n) {
 #ifdef LLMPIPE_V8
   V8 s0 = zero8(), s1 = zero8();
   for (; d + 16 <= n; d += 16) {
-    s0 = fma8(load8(a + d), R::eight(b + d), s0);
-    s1 = fma8(load8(a + d + 8), R::eight(b + d + 8), s1);
+    s0 = fma8(load8(a + d), R::eight(b, d), s0);
+    s1 = fma8(load8(a + d + 8), R::eight(b, d + 8), s1);
   }
-  for (; d + 8 <= n; d += 8) s0 = fma8(load8(a + d), R::eight(b + d), s0);
+  for (; d + 8 <= n; d += 8) s0 = fma8(load8(a + d), R::eight(b, d), s0);
   tail = hsum(add8(s0, s1));
 #endif
-  for (; d < n; ++d) tail += a[d] * R::one(b[d]);
+  for (; d < n; ++d) tail += a[d] * R::one(b, d);
   return tail;
 }
 
@@ -181,20 +203,20 @@ inline void dot4(const float* q, const typename R::E* const* k, int64_t n, float
   V8 a0 = zero8(), a1 = zero8(), a2 = zero8(), a3 = zero8();
   for (; d + 8 <= n; d += 8) {
     const V8 x = load8(q + d);
-    a0 = fma8(x, R::eight(k[0] + d), a0);
-    a1 = fma8(x, R::eight(k[1] + d), a1);
-    a2 = fma8(x, R::eight(k[2] + d), a2);
-    a3 = fma8(x, R::eight(k[3] + d), a3);
+    a0 = fma8(x, R::eight(k[0], d), a0);
+    a1 = fma8(x, R::eight(k[1], d), a1);
+    a2 = fma8(x, R::eight(k[2], d), a2);
+    a3 = fma8(x, R::eight(k[3], d), a3);
   }
   float r[4];
   hsum4(a0, a1, a2, a3, r);
   t0 = r[0], t1 = r[1], t2 = r[2], t3 = r[3];
 #endif
   for (; d < n; ++d) {
-    t0 += q[d] * R::one(k[0][d]);
-    t1 += q[d] * R::one(k[1][d]);
-    t2 += q[d] * R::one(k[2][d]);
-    t3 += q[d] * R::one(k[3][d]);
+    t0 += q[d] * R::one(k[0], d);
+    t1 += q[d] * R::one(k[1], d);
+    t2 += q[d] * R::one(k[2], d);
+    t3 += q[d] * R::one(k[3], d);
   }
   out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
 }
@@ -210,11 +232,11 @@ inline void accumulate_rows(float* acc, const float* w, const typename R::E* con
     V8 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
     for (int64_t j = 0; j < nrows; ++j) {
       const V8 wj = splat8(w[j]);
-      const typename R::E* r = rows[j] + off + d;
-      a0 = fma8(wj, R::eight(r), a0);
-      a1 = fma8(wj, R::eight(r + 8), a1);
-      a2 = fma8(wj, R::eight(r + 16), a2);
-      a3 = fma8(wj, R::eight(r + 24), a3);
+      const typename R::E* r = rows[j];
+      a0 = fma8(wj, R::eight(r, off + d), a0);
+      a1 = fma8(wj, R::eight(r, off + d + 8), a1);
+      a2 = fma8(wj, R::eight(r, off + d + 16), a2);
+      a3 = fma8(wj, R::eight(r, off + d + 24), a3);
     }
     store8(acc + d, a0);
     store8(acc + d + 8, a1);
@@ -223,13 +245,13 @@ inline void accumulate_rows(float* acc, const float* w, const typename R::E* con
   }
   for (; d + 8 <= n; d += 8) {
     V8 a = load8(acc + d);
-    for (int64_t j = 0; j < nrows; ++j) a = fma8(splat8(w[j]), R::eight(rows[j] + off + d), a);
+    for (int64_t j = 0; j < nrows; ++j) a = fma8(splat8(w[j]), R::eight(rows[j], off + d), a);
     store8(acc + d, a);
   }
 #endif
   for (; d < n; ++d) {
     float a = acc[d];
-    for (int64_t j = 0; j < nrows; ++j) a += w[j] * R::one(rows[j][off + d]);
+    for (int64_t j = 0; j < nrows; ++j) a += w[j] * R::one(rows[j], off + d);
     acc[d] = a;
   }
 }
@@ -248,7 +270,7 @@ inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k,
     for (int j = 0; j < 4; ++j) a[h][j] = zero8();
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    const V8 k0 = R::eight(k[0] + d), k1 = R::eight(k[1] + d), k2 = R::eight(k[2] + d), k3 = R::eight(k[3] + d);
+    const V8 k0 = R::eight(k[0], d), k1 = R::eight(k[1], d), k2 = R::eight(k[2], d), k3 = R::eight(k[3], d);
     for (int h = 0; h < HB; ++h) {
       const V8 x = load8(q + h * D + d);
       a[h][0] = fma8(x, k0, a[h][0]);
@@ -263,7 +285,7 @@ inline void dot4_heads(const float* q, int64_t D, const typename R::E* const* k,
     const float* qh = q + h * D;
     for (int j = 0; j < 4; ++j) {
       float x = r[j];
-      for (int64_t e = d; e < D; ++e) x += qh[e] * R::one(k[j][e]);
+      for (int64_t e = d; e < D; ++e) x += qh[e] * R::one(k[j], e);
       sc[h * ld + j] = x;
     }
   }
@@ -284,7 +306,7 @@ inline void accumulate_rows_heads(float* acc, int64_t lda, const float* w, int64
       for (int c = 0; c < C; ++c) a[h][c] = load8(acc + h * lda + d + 8 * c);
     for (int64_t j = 0; j < nrows; ++j) {
       V8 r[C];
-      for (int c = 0; c < C; ++c) r[c] = R::eight(rows[j] + d + 8 * c);
+      for (int c = 0; c < C; ++c) r[c] = R::eight(rows[j], d + 8 * c);
       for (int h = 0; h < HB; ++h) {
         const V8 wj = splat8(w[h * ldw + j]);
         for (int c = 0; c < C; ++c) a[h][c] = fma8(wj, r[c], a[h][c]);
@@ -325,9 +347,9 @@ template <class R>
 inline void to_float_row(const typename R::E* x, float* y, int64_t n) {
   int64_t d = 0;
 #ifdef LLMPIPE_V8
-  for (; d + 8 <= n; d += 8) store8(y + d, R::eight(x + d));
+  for (; d + 8 <= n; d += 8) store8(y + d, R::eight(x, d));
 #endif
-  for (; d < n; ++d) y[d] = R::one(x[d]);
+  for (; d < n; ++d) y[d] = R::one(x, d);
 }
 
 #ifdef LLMPIPE_V8

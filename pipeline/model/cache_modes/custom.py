@@ -4,7 +4,8 @@ each attention layer calls one fused op that updates it in place and attends.
     llmpipe::cached_attention(q, k, v, k_cache!, v_cache!, position, window, scale, sinks=None) -> out
 
 - q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (q and k RoPE-rotated); k_cache [slots,Hkv,D],
-  v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage); position [T] consecutive.
+  v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage; int8 caches hold rows of D+4 / Dv+4, each with its
+  scale: pipeline/model/kv/quant.py); position [T] consecutive.
 - window 0: a flat cache, slot = position, keys [0, pos+T). window w > 0: a ring of
   slots = min(w + chunk - 1, max context), slot = position % slots, keys [max(0, pos-w+1), pos+T):
   sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
@@ -32,6 +33,7 @@ from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered,
                                              step_args)
 from pipeline.model.layers import recurrent
 from pipeline.model.kv.layout import cache_layout, ring_runs, ring_slots
+from pipeline.model.kv.quant import decode, encode, row_width, stored_dim
 
 # both: the fused op; one alone: that half of it (custom_split.py), as ExecuTorch's llama:: ops allow
 FLAGS = ({"custom_sdpa": True, "custom_kv_cache": True}, {"custom_sdpa": True, "custom_kv_cache": False},
@@ -65,13 +67,17 @@ def cached_attention_ref(q, k, v, k_cache, v_cache, position, window: int, scale
     ring = slots if window > 0 else None
     off = 0
     for slot, n in ring_runs(pos, T, ring):
-        k_cache[slot:slot + n] = k[0, :, off:off + n].transpose(0, 1).to(k_cache.dtype)
-        v_cache[slot:slot + n] = v[0, :, off:off + n].transpose(0, 1).to(v_cache.dtype)
+        k_cache[slot:slot + n] = encode(k[0, :, off:off + n].transpose(0, 1), k_cache.dtype)
+        v_cache[slot:slot + n] = encode(v[0, :, off:off + n].transpose(0, 1), v_cache.dtype)
         off += n
     base = max(0, pos - window + 1) if window > 0 else 0
-    runs = ring_runs(base, pos + T - base, ring)
-    K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)  # [Hkv,S,D]
-    V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
+    return _attend_runs(q, k_cache, v_cache, pos, base, ring, window, scale, sinks)
+
+
+def _attend_runs(q, k_cache, v_cache, pos: int, base: int, ring, window: int, scale: float, sinks):
+    runs = ring_runs(base, pos + q.shape[2] - base, ring)
+    K = decode(torch.cat([k_cache[s:s + n] for s, n in runs])).transpose(0, 1)  # [Hkv,S,D]
+    V = decode(torch.cat([v_cache[s:s + n] for s, n in runs])).transpose(0, 1)
     return attend_gathered(q, K, V, pos, base, window, scale, q.dtype, sinks)
 
 
@@ -87,10 +93,7 @@ def cached_attend_ref(q, k_cache, v_cache, position, window: int, scale: float, 
     if pos < 0 or (ring is None and pos + T > slots):
         raise ValueError(f"{READ_QUALNAME}: positions [{pos}, {pos + T}) exceed the cache's {slots} positions")
     base = max(0, pos - window + 1) if window > 0 else 0
-    runs = ring_runs(base, pos + T - base, ring)
-    K = torch.cat([k_cache[s:s + n] for s, n in runs]).transpose(0, 1)
-    V = torch.cat([v_cache[s:s + n] for s, n in runs]).transpose(0, 1)
-    return attend_gathered(q, K, V, pos, base, window, scale, q.dtype, sinks)
+    return _attend_runs(q, k_cache, v_cache, pos, base, ring, window, scale, sinks)
 
 
 def _define() -> None:
@@ -110,7 +113,7 @@ def _define_readonly() -> None:
         return cached_attend_ref(q, k_cache, v_cache, position, int(window), float(scale), sinks)
 
     def fake(q, k_cache, v_cache, position, window, scale, sinks=None):
-        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], v_cache.shape[2]))
+        return q.new_empty((q.shape[0], q.shape[1], q.shape[2], stored_dim(v_cache)))
 
     globals()["_LIB_READ"] = define_op(
         NAMESPACE, READ_OP_NAME, "Tensor q, Tensor k_cache, Tensor v_cache, Tensor position, int window, float scale, "
@@ -176,7 +179,8 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 class CustomCacheLM(HookedAttentionLM):
     """Runner layout over an HF causal LM with an in-graph cache and one fused op per attention layer.
 
-    Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype or kv_dtype) and its
+    Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype or kv_dtype; int8
+    rows carry their scale, pipeline/model/kv/quant.py) and its
     window; sliding layers hold a ring of min(window + chunk - 1, context) slots. A step at any position
     overwrites what follows it, so a rerun from 0 simply starts a new sequence.
     """
@@ -195,10 +199,10 @@ class CustomCacheLM(HookedAttentionLM):
             spec = layout.specs[layout.layer_cache[m.layer_idx]]
             slots = ring_slots(spec.window, chunk, max_context_len)
             m.kv_window = int(spec.window)
-            m.register_buffer("k_cache", torch.zeros(slots, spec.kv_heads, spec.head_dim, dtype=dtype),
-                              persistent=False)
-            m.register_buffer("v_cache", torch.zeros(slots, spec.kv_heads, spec.v_dim, dtype=dtype),
-                              persistent=False)
+            m.register_buffer("k_cache", torch.zeros(slots, spec.kv_heads, row_width(dtype, spec.head_dim),
+                                                     dtype=dtype), persistent=False)
+            m.register_buffer("v_cache", torch.zeros(slots, spec.kv_heads, row_width(dtype, spec.v_dim),
+                                                     dtype=dtype), persistent=False)
             self.slots.append(slots)
         link_kv_sources(layers, layout)
         # recurrent layers: their state in buffers beside the caches, the conv's in the activations' dtype

@@ -23,10 +23,11 @@ from typing import Optional, Sequence
 import torch
 
 from pipeline.model.kv.layout import LayerSpec, ring_runs
+from pipeline.model.kv.quant import decode, encode, row_width
 
 DEFAULT_INITIAL_CAPACITY = 512
 # the C++ cache's names of the storage dtypes, in the [cache] report
-DTYPE_LABELS = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16"}
+DTYPE_LABELS = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int8: "Int8"}
 
 
 class OffgraphCacheError(RuntimeError):
@@ -54,8 +55,8 @@ class _Layer:
         self.spec = spec
         self.ring = min(spec.window + max_write - 1, capacity) if spec.window > 0 else None
         self.allocated = self.ring if self.ring is not None else min(initial, capacity)
-        self.k = torch.zeros(spec.kv_heads, self.allocated, spec.head_dim, dtype=dtype)
-        self.v = torch.zeros(spec.kv_heads, self.allocated, spec.v_dim, dtype=dtype)
+        self.k = torch.zeros(spec.kv_heads, self.allocated, row_width(dtype, spec.head_dim), dtype=dtype)
+        self.v = torch.zeros(spec.kv_heads, self.allocated, row_width(dtype, spec.v_dim), dtype=dtype)
 
     def ensure(self, end: int, capacity: int) -> None:
         """Flat pools double on demand (up to capacity); cell indices never move."""
@@ -65,8 +66,8 @@ class _Layer:
         while new < end:
             new *= 2
         new = min(new, capacity)
-        k = self.k.new_zeros(self.spec.kv_heads, new, self.spec.head_dim)
-        v = self.v.new_zeros(self.spec.kv_heads, new, self.spec.v_dim)
+        k = self.k.new_zeros(self.spec.kv_heads, new, self.k.shape[2])
+        v = self.v.new_zeros(self.spec.kv_heads, new, self.v.shape[2])
         k[:, :self.allocated] = self.k
         v[:, :self.allocated] = self.v
         self.k, self.v, self.allocated = k, v, new
@@ -168,13 +169,13 @@ class OffgraphCache:
 
     # -- data ---------------------------------------------------------------------------------
     def write(self, plan: Plan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k [Hkv,T,D], v [Hkv,T,Dv] (cast to the storage dtype)."""
+        """k [Hkv,T,D], v [Hkv,T,Dv] (cast to the storage dtype, or int8 rows: kv/quant.py)."""
         L = self.layers[plan.layer]
         L.ensure(plan.end, self.capacity)
         off = 0
         for slot, n in plan.write_runs:
-            L.k[:, slot:slot + n] = k[:, off:off + n].to(self.dtype)
-            L.v[:, slot:slot + n] = v[:, off:off + n].to(self.dtype)
+            L.k[:, slot:slot + n] = encode(k[:, off:off + n], self.dtype)
+            L.v[:, slot:slot + n] = encode(v[:, off:off + n], self.dtype)
             off += n
 
     def gather(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +183,7 @@ class OffgraphCache:
         L = self.layers[plan.layer]
         ks = [L.k[:, s:s + n] for s, n in plan.read_runs]
         vs = [L.v[:, s:s + n] for s, n in plan.read_runs]
-        return torch.cat(ks, 1), torch.cat(vs, 1)
+        return decode(torch.cat(ks, 1)), decode(torch.cat(vs, 1))
 
     # -- state --------------------------------------------------------------------------------
     def rewind_floor(self) -> int:
