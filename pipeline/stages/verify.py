@@ -386,6 +386,10 @@ def run(ctx) -> dict:
             eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
             eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+            storage = cache_policy(ctx).kv_dtype
+            if storage is not None and CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
+                for module in (eager_f, eager_q):  # the references' caches round as the program's runtime cache
+                    module.cache.store_as(storage)
             # the same quantization as the backend computes it (XNNPACK's bf16 group scales, its activation rounding)
             reference = BACKENDS[ctx.cfg.backend.name].reference(eager_q)
             gate = vc[gate_of(ctx.cfg)]

@@ -113,6 +113,13 @@ class OffgraphCache:
             states.append(state)
         self.states = states
 
+    def store_as(self, dtype: torch.dtype) -> None:
+        """Store K/V as `dtype` from now on (a runtime's choice per run, as --kv-storage-dtype): the layers
+        re-allocated, the cache reset."""
+        self.dtype = dtype
+        self.layers = [_Layer(s, self.capacity, self.max_write, self.initial_capacity, dtype) for s in self.specs]
+        self.reset()
+
     def __len__(self) -> int:
         return len(self.layers)
 
