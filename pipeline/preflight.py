@@ -239,6 +239,10 @@ def verify_problems(cfg) -> Problems:
     if changed and not runtime_owned:
         out.append(("verify.runtime." + changed[0], v(rt[changed[0]]), f"runtime cache parameters need cache.mode="
                     f"offgraph (cache.mode={mode!r} keeps its cache in the program)"))
+    storages = BACKENDS[backend].KV_STORAGES
+    if rt.kv_storage_dtype is not None and v(rt.kv_storage_dtype) not in storages:
+        out.append(("verify.runtime.kv_storage_dtype", v(rt.kv_storage_dtype), f"backend={backend} allowed: "
+                    f"{list(storages)} ({BACKENDS[backend].KV_STORAGES_WHY})"))
     if rt.kv_max_capacity is not None and not 1 <= rt.kv_max_capacity <= e.max_context_len:
         out.append(("verify.runtime.kv_max_capacity", rt.kv_max_capacity,
                     f"must be in [1, export.max_context_len={e.max_context_len}] (null = the max context)"))

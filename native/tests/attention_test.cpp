@@ -14,6 +14,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/kv_attention.h"
+#include "kernels/kv_rows.h"
 #include "kernels/simd_math.h"
 #include "runtime/threadpool.h"
 
@@ -63,17 +64,27 @@ struct Layer {
     q.resize(static_cast<size_t>(c.hq * c.positions * c.d));
     for (auto* x : {&k, &v, &q})
       for (float& f : *x) f = nd(rng);
-    const int es = element_size(c.dtype);
-    kbytes.resize(k.size() * es);
-    vbytes.resize(v.size() * es);
+    const int64_t row = row_bytes(c.dtype, c.d), rows = static_cast<int64_t>(k.size()) / c.d;
+    kbytes.resize(static_cast<size_t>(rows * row));
+    vbytes.resize(kbytes.size());
     for (auto [x, bytes] : {std::pair{&k, &kbytes}, std::pair{&v, &vbytes}})
-      for (size_t i = 0; i < x->size(); ++i) {
-        if (c.dtype == kFloat) {
-          std::memcpy(bytes->data() + 4 * i, &(*x)[i], 4);
-        } else {
-          const uint16_t h = to_storage((*x)[i], c.dtype);
-          std::memcpy(bytes->data() + 2 * i, &h, 2);
-          (*x)[i] = from_storage(h, c.dtype);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* xs = x->data() + r * c.d;
+        uint8_t* out = bytes->data() + r * row;
+        if (c.dtype == kChar) {  // int8 rows: the reference attends over the values they hold
+          quantize_row(xs, c.d, out);
+          const auto* vals = reinterpret_cast<const int8_t*>(out + int8_scale_bytes(c.d));
+          for (int64_t i = 0; i < c.d; ++i) xs[i] = llmrt::kv::simd::I8Rows::one(vals, i);
+          continue;
+        }
+        for (int64_t i = 0; i < c.d; ++i) {
+          if (c.dtype == kFloat) {
+            std::memcpy(out + 4 * i, &xs[i], 4);
+          } else {
+            const uint16_t h = to_storage(xs[i], c.dtype);
+            std::memcpy(out + 2 * i, &h, 2);
+            xs[i] = from_storage(h, c.dtype);
+          }
         }
       }
   }
@@ -181,7 +192,9 @@ int main() {
   for (const Case& c : {Case{"gqa3 full", 9, 3, 64, 300, 0}, Case{"gqa4 window 37", 4, 1, 256, 300, 37},
                         Case{"mha full", 2, 2, 16, 300, 0}, Case{"gqa3 fp16", 9, 3, 64, 300, 0, kHalf},
                         Case{"gqa4 window 37 bf16", 4, 1, 256, 300, 37, kBFloat16},
-                        Case{"gqa2 d40 fp16", 4, 2, 40, 300, 0, kHalf}, Case{"gqa2 d40", 4, 2, 40, 300, 0}})
+                        Case{"gqa2 d40 fp16", 4, 2, 40, 300, 0, kHalf}, Case{"gqa2 d40", 4, 2, 40, 300, 0},
+                        Case{"gqa3 int8", 9, 3, 64, 300, 0, kChar}, Case{"gqa2 d40 int8", 4, 2, 40, 300, 0, kChar},
+                        Case{"gqa4 window 37 int8", 4, 1, 256, 300, 37, kChar}})
     run_case(c);
   return failures ? 1 : 0;
 }

@@ -18,6 +18,8 @@ class Backend(Protocol):
     TAIL_LOGITS: bool               # it lowers logits mode `tail` (export.logits_mode=auto picks `selected` elsewhere)
     SCALE_BITS: tuple               # bits of scale (and bias) its file keeps per group, and per row
     PLAN_CANDIDATES: tuple          # (scheme, group) quantize.target_bpw may give a linear, cheapest first
+    KV_STORAGES: tuple              # verify.runtime.kv_storage_dtype values its off-graph programs' runtimes store
+    KV_STORAGES_WHY: str            # why not the others
 
     def refuses(self, scheme: str, group: int, dtype: str = "fp32", gemm: bool = True) -> Optional[str]:
         """Why it cannot build a quantization scheme at that export.dtype (gemm: a linear's weight), or None."""
