@@ -27,13 +27,14 @@ Writes outputs/bench/kv_quant.json and prints one Markdown table per model.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from common import build, gguf_file, write_results
+from common import ROOT, build, gguf_file, write_results
 
 CTX = 2112                      # the programs' max context: depth 2048 and the 64 decoded after it
 DEPTHS = (512, 1024, 2048)      # fidelity: the 64 positions before each
@@ -161,6 +162,7 @@ def speed(model: str, args) -> dict:
 
 
 def table(model: str, result: dict) -> str:
+    """A model's Markdown table, from its results as outputs/bench/kv_quant.json holds them (depths as strings)."""
     rows = result["fidelity"]["rows"]
     speeds = result.get("speed", {})
     base = {"ours": rows.get("ours fp16"), "llama.cpp": rows.get("llama.cpp f16")}
@@ -171,11 +173,11 @@ def table(model: str, result: dict) -> str:
     for name, r in rows.items():
         b = base[r["engine"]]
         cells = [r["engine"], r["storage"], str(r.get("bytes_per_position", ""))]
-        cells += [f"{r['kld'][d]:.5f}" for d in DEPTHS]
-        cells += [f"{r['kld'][d] - b['kld'][d]:+.5f}" if b else "" for d in DEPTHS]
-        cells += [f"{100 * r['top1'][DEPTHS[-1]]:.1f} %"]
+        cells += [f"{r['kld'][str(d)]:.5f}" for d in DEPTHS]
+        cells += [f"{r['kld'][str(d)] - b['kld'][str(d)]:+.5f}" if b else "" for d in DEPTHS]
+        cells += [f"{100 * r['top1'][str(DEPTHS[-1])]:.1f} %"]
         sp = speeds.get(r["storage"]) if r["engine"] == "ours" else None
-        cells += [f"{sp[d]:.1f}" if sp else "" for d in SPEED_DEPTHS]
+        cells += [f"{sp[str(d)]:.1f}" if sp else "" for d in SPEED_DEPTHS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -195,7 +197,8 @@ def main() -> None:
         except ImportError:
             raise SystemExit('llama.cpp rows need llama-cpp-python: pip install -e ".[bench]" (or --no-llama-cpp)')
     torch.set_num_threads(args.threads)
-    results = {}
+    out = ROOT / "outputs" / "bench" / "kv_quant.json"
+    results = json.loads(out.read_text()) if out.exists() else {}  # the other models' last results stay
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"--models: {model!r} is not one of {sorted(MODELS)}")
@@ -204,7 +207,7 @@ def main() -> None:
             results[model]["speed"] = speed(model, args)
         write_results("kv_quant", results)
     for model, result in results.items():
-        print("\n" + table(model, result))
+        print("\n" + table(model, json.loads(json.dumps(result))))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ class DType(str, Enum):
 
 
 class KvDType(str, Enum):
-    """How K/V rows are stored: a float type, or int8 rows with a scale each (pipeline/model/kv/quant.py)."""
+    """How K/V rows are stored: a float type, or int8 with a scale per group of 32 (pipeline/model/kv/quant.py)."""
     fp32 = "fp32"
     fp16 = "fp16"
     bf16 = "bf16"
@@ -187,8 +187,8 @@ class CacheConfig:
     custom_sdpa: bool = False
     custom_kv_cache: bool = False
     # K/V storage of the in-graph fused cache (custom, both flags): null = export.dtype. Half storage halves the
-    # bytes attention reads per token, int8 rows (a scale each) quarter them; off-graph programs choose theirs at
-    # run time (verify.runtime.kv_storage_dtype)
+    # bytes attention reads per token, int8 rows (a scale per 32 values) nearly quarter them; off-graph programs
+    # choose theirs at run time (verify.runtime.kv_storage_dtype)
     kv_dtype: Optional[KvDType] = None
 
 
