@@ -27,6 +27,7 @@ Writes outputs/bench/kv_quant.json and prints one Markdown table per model.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -88,15 +89,14 @@ def figures(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, int]:
 
 
 def bytes_per_position(program, storage: str) -> int:
+    """K and V bytes one position costs over every attention layer, at `storage` (the layers the runtime sizes)."""
     from pipeline import abi
     from pipeline.model.kv.quant import row_width
+    from pipeline.runtimes.base import runtime_cache_plan
     dtype = abi.KV_DTYPES[storage]
-    heads = abi.ints(program.constant("get_kv_heads"))
-    dims = abi.ints(program.constant("get_head_dims"))
-    names = program.program.method_names
-    vdims = abi.ints(program.constant("get_v_head_dims")) if "get_v_head_dims" in names else dims
+    specs = runtime_cache_plan(program.constant, program.program.method_names)[0]
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(h * (row_width(dtype, d) + row_width(dtype, v)) * size for h, d, v in zip(heads, dims, vdims))
+    return sum(sp.kv_heads * (row_width(dtype, sp.head_dim) + row_width(dtype, sp.v_dim)) * size for sp in specs)
 
 
 def fidelity(model: str, args) -> dict:
@@ -110,13 +110,11 @@ def fidelity(model: str, args) -> dict:
     hf = load_hf_model(m["model_dir"])
     tok = AutoTokenizer.from_pretrained(m["model_dir"])
     texts = [(dom, c) for dom, cs in heldout_chunks(tok, CTX, args.texts).items() for c in cs]
-    engines = {}
+    engines, rows = {}, {}
     for s in STORAGES:
         program = open_program(lower_of(m), policy=CachePolicy(capacity=CTX, kv_dtype=abi.KV_DTYPES[s]))
-        engines[f"ours {s}"] = (lambda p: (lambda ids: program_depth_logits(p, ids)))(program)
-    rows = {name: {"engine": "ours", "storage": name.split()[-1]} for name in engines}
-    for name in engines:
-        rows[name]["bytes_per_position"] = bytes_per_position(open_program(lower_of(m)), rows[name]["storage"])
+        engines[f"ours {s}"] = functools.partial(program_depth_logits, program)
+        rows[f"ours {s}"] = {"engine": "ours", "storage": s, "bytes_per_position": bytes_per_position(program, s)}
     if not args.no_llama_cpp:
         path = gguf_file(m)
         for kv, t in LLAMA_KV.items():

@@ -388,7 +388,7 @@ def run(ctx) -> dict:
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
             storage = cache_policy(ctx).kv_dtype
             if storage is not None and CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
-                for module in (eager_f, eager_q):  # the references' caches round as the program's runtime cache
+                for module in {eager_f, eager_q}:  # (one module when unquantized) round as the program's cache does
                     module.cache.store_as(storage)
             # the same quantization as the backend computes it (XNNPACK's bf16 group scales, its activation rounding)
             reference = BACKENDS[ctx.cfg.backend.name].reference(eager_q)
