@@ -26,8 +26,9 @@ INT64 = SCALAR_TYPE_CODES[torch.int64]
 # the config's activation dtypes (export.dtype, verify.runtime.kv_storage_dtype)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
-# K/V storage (cache.kv_dtype, verify.runtime.kv_storage_dtype, --kv-storage-dtype): int8 rows carry their scales
-KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8}
+# K/V storage (cache.kv_dtype, verify.runtime.kv_storage_dtype, --kv-storage-dtype): int8 and int4 rows carry their
+# scales (pipeline/model/kv/quant.py; int4 rows live in uint8 buffers)
+KV_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
 KV_DTYPE_NAMES: dict[torch.dtype, str] = {t: n for n, t in KV_DTYPES.items()}
 
 # get_logits_to_keep_mode

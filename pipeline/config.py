@@ -30,11 +30,13 @@ class DType(str, Enum):
 
 
 class KvDType(str, Enum):
-    """How K/V rows are stored: a float type, or int8 with a scale per group of 32 (pipeline/model/kv/quant.py)."""
+    """How K/V rows are stored: a float type, or int8 / rotated int4 with a scale per group of 32
+    (pipeline/model/kv/quant.py)."""
     fp32 = "fp32"
     fp16 = "fp16"
     bf16 = "bf16"
     int8 = "int8"
+    int4 = "int4"
 
 
 def _choices(name: str, values: list[str]) -> type[Enum]:
@@ -187,8 +189,8 @@ class CacheConfig:
     custom_sdpa: bool = False
     custom_kv_cache: bool = False
     # K/V storage of the in-graph fused cache (custom, both flags): null = export.dtype. Half storage halves the
-    # bytes attention reads per token, int8 rows (a scale per 32 values) nearly quarter them; off-graph programs
-    # choose theirs at run time (verify.runtime.kv_storage_dtype)
+    # bytes attention reads per token, int8 rows (a scale per 32 values) nearly quarter them, rotated int4 rows take
+    # 28 % of fp16's; off-graph programs choose theirs at run time (verify.runtime.kv_storage_dtype)
     kv_dtype: Optional[KvDType] = None
 
 

@@ -72,9 +72,16 @@ struct Layer {
         float* xs = x->data() + r * c.d;
         uint8_t* out = bytes->data() + r * row;
         if (c.dtype == kChar) {  // int8 rows: the reference attends over the values they hold
-          quantize_row(xs, c.d, out);
-          const auto* vals = reinterpret_cast<const int8_t*>(out + int8_scale_bytes(c.d));
+          quantize_row(kChar, xs, c.d, out);
+          const auto* vals = reinterpret_cast<const int8_t*>(out + scale_bytes(kChar, c.d));
           for (int64_t i = 0; i < c.d; ++i) xs[i] = llmrt::kv::simd::I8Rows::one(vals, i);
+          continue;
+        }
+        if (c.dtype == kByte) {  // int4 rows hold rotated values: the reference attends over them rotated back
+          quantize_row(kByte, xs, c.d, out);
+          const uint8_t* vals = out + scale_bytes(kByte, c.d);
+          for (int64_t i = 0; i < c.d; ++i) xs[i] = llmrt::kv::simd::I4Rows::one(vals, i);
+          hadamard_rows(xs, c.d);
           continue;
         }
         for (int64_t i = 0; i < c.d; ++i) {
@@ -194,7 +201,9 @@ int main() {
                         Case{"gqa4 window 37 bf16", 4, 1, 256, 300, 37, kBFloat16},
                         Case{"gqa2 d40 fp16", 4, 2, 40, 300, 0, kHalf}, Case{"gqa2 d40", 4, 2, 40, 300, 0},
                         Case{"gqa3 int8", 9, 3, 64, 300, 0, kChar}, Case{"gqa2 d40 int8", 4, 2, 40, 300, 0, kChar},
-                        Case{"gqa4 window 37 int8", 4, 1, 256, 300, 37, kChar}})
+                        Case{"gqa4 window 37 int8", 4, 1, 256, 300, 37, kChar},
+                        Case{"gqa3 int4", 9, 3, 64, 300, 0, kByte}, Case{"gqa2 d40 int4", 4, 2, 40, 300, 0, kByte},
+                        Case{"gqa4 window 37 int4", 4, 1, 256, 300, 37, kByte}})
     run_case(c);
   return failures ? 1 : 0;
 }

@@ -296,7 +296,7 @@ USAGE = [
     (["--cache_kind", "paged"], "--cache-kind expects batched-sequence or batched-cell, got 'paged'"),
     (["--kv_initial_capacity", "-2"], "or -1 for the default"),
     (["--kv_windows", "4,x"], "--kv-windows expects non-negative integers, got 'x'"),
-    (["--kv-storage-dtype", "int4"], "--kv-storage-dtype expects fp32, fp16, bf16 or int8"),
+    (["--kv-storage-dtype", "int2"], "--kv-storage-dtype expects fp32, fp16, bf16, int8 or int4"),
     (["--max-decode-sequences", "0"], "--max-decode-sequences must be >= 1"),
     (["--prefix-cache-entries", "-1"], "--prefix-cache-entries must be >= 0"),
     (["--prompt-rounds", "0"], "--prompt-rounds must be >= 1"),

@@ -171,7 +171,7 @@ def test_runner_offgraph_program_needs_capacity(native_bins, og_programs):
     (["--kv-windows", "4,0"], "need --kv-max-capacity"),
     (["--kv-max-capacity", "64", "--kv-initial-capacity", "0"], "--kv-initial-capacity must be >= 1"),
     (["--kv-max-capacity", "64", "--kv-initial-capacity", "-3"], "--kv-initial-capacity must be >= 1"),
-    (["--kv-max-capacity", "64", "--kv-storage-dtype", "int4"], "expects fp32, fp16, bf16 or int8"),
+    (["--kv-max-capacity", "64", "--kv-storage-dtype", "int2"], "expects fp32, fp16, bf16, int8 or int4"),
     (["--kv-max-capacity", "64", "--kv-windows", "4,x"], "non-negative integers"),
     (["--kv-max-capacity", "-1"], "must be >= 0"),
     (["--kv_max_capacity", "64", "--kv_initial_capacity", "-2"], "or -1 for the default (512, clamped"),
@@ -213,12 +213,14 @@ class _OneOp(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype,storage,tol", [(torch.float32, None, TOL), (torch.float16, None, 1e-3),
                                                (torch.bfloat16, None, 1e-2), (torch.float32, torch.int8, 1e-4),
-                                               (torch.bfloat16, torch.int8, 1e-2)],
-                         ids=["fp32", "fp16", "bf16", "fp32-int8kv", "bf16-int8kv"])
+                                               (torch.bfloat16, torch.int8, 1e-2), (torch.float32, torch.uint8, 1e-4),
+                                               (torch.bfloat16, torch.uint8, 1e-2)],
+                         ids=["fp32", "fp16", "bf16", "fp32-int8kv", "bf16-int8kv", "fp32-int4kv", "bf16-int4kv"])
 def test_kernel_matches_python_op(dtype, storage, tol, tmp_path, native_bins):
     """The C++ kernel against the Python reference on a ring (w=5, chunk 4, wraps) next to a flat
-    layer, with GQA 6/2 and Dv != D, in each activation dtype, K/V stored in it or as int8 rows (the same rounding
-    on both sides: the references' int8 values and scales are the kernel's)."""
+    layer, with GQA 6/2 and Dv != D, in each activation dtype, K/V stored in it or as int8 / rotated int4 rows (the
+    same rounding on both sides: the references' quantized values and scales are the kernel's; one int4 value off by
+    a step would move an output by ~0.1, a thousand times the fp32 tolerance)."""
     from executorch.exir import to_edge
     from executorch.runtime import Runtime
 
@@ -254,11 +256,12 @@ def test_kernel_matches_python_op(dtype, storage, tol, tmp_path, native_bins):
         pos += n
 
 
-@pytest.mark.parametrize("dtype,slot_bytes", [("fp32", 2 * 16 * 4), ("bf16", 2 * 16 * 2), ("int8", 2 * (16 + 4))])
+@pytest.mark.parametrize("dtype,slot_bytes", [("fp32", 2 * 16 * 4), ("bf16", 2 * 16 * 2), ("int8", 2 * (16 + 4)),
+                                              ("int4", 2 * (8 + 2))])
 def test_runner_ring_memory_equals_formula(dtype, slot_bytes, native_bins, og_programs):
     """og_gemma3: 2 ring layers hold window 16 + chunk 8 - 1 = 23 slots each, the flat layer grows
     from 8 by doubling to cover the sequence; 1 KV head, K and V of 16 dims each (an int8 row: 16 values and one
-    group's 4-byte scale)."""
+    group's 4-byte scale; an int4 row: 8 bytes of values and a 2-byte scale)."""
     proc = run_runner(native_bins, "--pte", og_programs / "og_gemma3.pte", "--prompt-ids", ids_arg(ote.PROMPT_IDS),
                       "--max-new-tokens", ote.N_NEW, "--kv-max-capacity", ote.CTX, "--kv-initial-capacity", 8,
                       "--kv-storage-dtype", dtype, "--ignore-eos", "--quiet")

@@ -65,7 +65,7 @@ void print_help() {
       "  --kv-initial-capacity N     positions first allocated per flat layer (per session, or\n"
       "                              cells of the pool); doubles on demand; -1 = the default\n"
       "                              (clamped to the session) (default: %lld)\n"
-      "  --kv-storage-dtype T        fp32 | fp16 | bf16 | int8 (default: the program's activation dtype)\n"
+      "  --kv-storage-dtype T        fp32 | fp16 | bf16 | int8 | int4 (default: the program's activation dtype)\n"
       "  --kv-windows LIST           comma list of windows repeated over the caches, 0 = flat\n"
       "                              (full attention), e.g. 512,0; the rows per forward stay the\n"
       "                              exported chunk (default: the program's get_windows)\n"

@@ -19,7 +19,7 @@ CellPool::CellPool(std::vector<LayerSpec> specs, int64_t capacity, int64_t max_w
     throw std::invalid_argument("initial KV capacity must be >= 1, got " + std::to_string(initial_cells));
   if (kv::row_bytes(dtype_code, 1) == 0)
     throw std::invalid_argument("KV storage dtype code " + std::to_string(dtype_code) +
-                                " is not supported (Float, Half, BFloat16 or Char: int8 rows)");
+                                " is not supported (Float, Half, BFloat16, Char: int8 rows or Byte: int4 rows)");
   if (specs.empty()) throw std::invalid_argument("an off-graph cache needs at least one layer");
   initial_ = std::min(initial_, capacity_);
   std::map<int64_t, int> group_of_ring;

@@ -19,13 +19,15 @@ using executorch::aten::ScalarType;
 using executorch::aten::Tensor;
 
 // One storage row (D elements of type code `dtype`) as fp32: the row itself when stored as fp32, else
-// converted into buf (an int8 row: its values times their group's scale, as the Python twin dequantizes).
+// converted into buf (a quantized row: its values times their group's scale, as the Python twin dequantizes; an
+// int4 row stays in its rotated basis).
 inline const float* as_float(const uint8_t* row, int dtype, int64_t D, float* buf) {
   switch (dtype) {
     case kFloat: return reinterpret_cast<const float*>(row);
     case kChar:
-      simd::to_float_row<simd::I8Rows>(reinterpret_cast<const int8_t*>(row + int8_scale_bytes(D)), buf, D);
+      simd::to_float_row<simd::I8Rows>(reinterpret_cast<const int8_t*>(row + scale_bytes(kChar, D)), buf, D);
       return buf;
+    case kByte: simd::to_float_row<simd::I4Rows>(row + scale_bytes(kByte, D), buf, D); return buf;
     case kHalf: simd::to_float_row<simd::F16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
     default: simd::to_float_row<simd::BF16Rows>(reinterpret_cast<const uint16_t*>(row), buf, D); return buf;
   }
@@ -90,7 +92,7 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
   const int64_t kstride = s.slot_stride(D), vstride = s.slot_stride(Dv);  // bytes
   const int64_t khead = s.head_stride(D), vhead = s.head_stride(Dv);
   const int64_t kbytes = s.row(D), vbytes = s.row(Dv);
-  const int64_t kvals = s.values_offset(D), vvals = s.values_offset(Dv);  // an int8 row's scales come first
+  const int64_t kvals = s.values_offset(D), vvals = s.values_offset(Dv);  // a quantized row's scales come first
   const int64_t qpos = g.pos + i;
   int64_t lo = g.base;  // visible logical keys [lo, qpos]
   if (s.window > 0) lo = std::max(lo, qpos - s.window + 1);
@@ -110,6 +112,7 @@ void attend_unit(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
     } else {
       for (int64_t d = 0; d < D; ++d) qs[h * D + d] = load(qd, qt, row * D + d) * scale;
     }
+    if (rotated(s.dtype)) hadamard_rows(qs + h * D, D);  // into the keys' basis
     part.m[h] = -INFINITY;
     part.l[h] = 0.f;
   }
@@ -187,6 +190,7 @@ void write_rows(const Segment& g, int64_t Ttot, int64_t i, int splits, const flo
       for (int64_t d = 0; d < Dv; ++d) x[d] += w[sp] * a[d];
     }
     for (int64_t d = 0; d < Dv; ++d) x[d] *= inv;
+    if (rotated(g.view.dtype)) hadamard_rows(x, Dv);  // out of the values' basis
     store_row(out, out_code, row * Dv, x, Dv);
   }
 }
@@ -226,6 +230,7 @@ void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
       for (int64_t h = 0; h < group; ++h) {
         const int64_t row = (kh * group + h) * Ttot + g.row0 + i0 + r, v = (kh * R + r) * group + h;
         for (int64_t d = 0; d < D; ++d) qs[v * D + d] = load(qd, qt, row * D + d) * scale;
+        if (rotated(s.dtype)) hadamard_rows(qs + v * D, D);  // into the keys' basis
       }
   std::fill(m, m + Hq * R, -INFINITY);
   std::fill(l, l + Hq * R, 0.f);
@@ -278,6 +283,7 @@ void attend_tile(const Segment& g, const Tensor& q, int64_t Ttot, float scale, i
           inv = f / (l[v] * f + std::exp(sink - top));
         }
         for (int64_t d = 0; d < Dv; ++d) row_out[d] = acc[v * Dv + d] * inv;
+        if (rotated(s.dtype)) hadamard_rows(row_out.data(), Dv);  // out of the values' basis
         store_row(out, out_code, row * Dv, row_out.data(), Dv);
       }
 }
@@ -338,6 +344,7 @@ void attend_segments_core(const Segment* segs, int n, const Tensor& q, float sca
         case kFloat: attend_unit<simd::F32Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
         case kHalf: attend_unit<simd::F16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
         case kChar: attend_unit<simd::I8Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
+        case kByte: attend_unit<simd::I4Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
         default: attend_unit<simd::BF16Rows>(s, q, Ttot, scale, i, sp, sn, part, scratch); break;
       }
       if (sn == 1) write_rows(s, Ttot, i, 1, part.m, part.l, part.acc, Hq, out, out_code);

@@ -3,7 +3,8 @@
 // and attends over the history with the attention core shared with the off-graph op.
 //
 //   q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv]; k_cache [slots,Hkv,D], v_cache [slots,Hkv,Dv] (Float, Half or
-//   BFloat16; or Char: int8 rows, D values and a 4-byte scale per group of 32 each, kv_attention.h);
+//   BFloat16; or Char: int8 rows, D values and a 4-byte scale per group of 32 each; or Byte: rotated int4 rows, two
+//   values a byte and a 2-byte scale per group of 32, kv_attention.h);
 //   position [T] (consecutive), window (0 = full attention over a flat cache of `slots` positions;
 //   w > 0 = a ring of `slots`, slot = position % slots; a wrapping step needs w + T - 1 <= slots);
 //   sinks: none, or Float [Hq] (gpt-oss: a per-head logit each row's softmax also counts); out [1,Hq,T,Dv] in q's dtype.
@@ -33,11 +34,11 @@ Tensor& cached_attention_out(KernelRuntimeContext& ctx, const Tensor& q, const T
   if (!check_step_args(q, k, v, position, q.scalar_type(), out, &a, &why)) return fail(why);
   const int dtype = static_cast<int>(k_cache.scalar_type());
   if (row_bytes(dtype, 1) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
-    return fail("caches must both be Float, Half, BFloat16 or Char (int8 rows)");
+    return fail("caches must both be Float, Half, BFloat16, Char (int8 rows) or Byte (int4 rows)");
   if (k_cache.dim() != 3 || v_cache.dim() != 3 || k_cache.size(1) != a.Hkv ||
       k_cache.size(2) != row_elements(dtype, a.D) || v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != a.Hkv ||
       v_cache.size(2) != row_elements(dtype, a.Dv))
-    return fail("caches must be [slots,Hkv,D] and [slots,Hkv,Dv] matching k and v (int8: rows with their scales)");
+    return fail("caches must be [slots,Hkv,D] and [slots,Hkv,Dv] matching k and v (int8, int4: rows with scales)");
   const int64_t slots = k_cache.size(0);
   if (window < 0) return fail("negative window " + std::to_string(window));
   if (window == 0 && a.pos + a.T > slots)
@@ -66,11 +67,11 @@ Tensor& cached_attend_out(KernelRuntimeContext& ctx, const Tensor& q, const Tens
   };
   const int dtype = static_cast<int>(k_cache.scalar_type());
   if (row_bytes(dtype, 1) == 0 || v_cache.scalar_type() != k_cache.scalar_type())
-    return fail("caches must both be Float, Half, BFloat16 or Char (int8 rows)");
+    return fail("caches must both be Float, Half, BFloat16, Char (int8 rows) or Byte (int4 rows)");
   if (q.dim() != 4 || q.size(0) != 1 || k_cache.dim() != 3 || v_cache.dim() != 3 ||
       v_cache.size(0) != k_cache.size(0) || v_cache.size(1) != k_cache.size(1) ||
       k_cache.size(2) != row_elements(dtype, q.size(3)) || row_values(dtype, v_cache.size(2)) < 1)
-    return fail("q must be [1,Hq,T,D] and the caches [slots,Hkv,D], [slots,Hkv,Dv] (int8: rows with their scales)");
+    return fail("q must be [1,Hq,T,D] and the caches [slots,Hkv,D], [slots,Hkv,Dv] (int8, int4: rows with scales)");
   StepArgs a;
   a.Hq = q.size(1), a.T = q.size(2), a.D = q.size(3), a.Hkv = k_cache.size(1);
   a.Dv = row_values(dtype, v_cache.size(2));

@@ -17,6 +17,7 @@ using executorch::aten::Tensor;
 
 const char* dtype_name(int code) {
   switch (code) {
+    case kByte: return "Int4";
     case kChar: return "Int8";
     case kHalf: return "Half";
     case kFloat: return "Float";
@@ -35,15 +36,13 @@ int element_size(int code) {
 }
 
 int64_t row_bytes(int code, int64_t dim) {
-  return code == kChar ? row_elements(code, dim) : element_size(code) * dim;
+  return quantized(code) ? row_elements(code, dim) : element_size(code) * dim;
 }
 
 int64_t row_values(int code, int64_t elements) {
-  if (code != kChar) return elements;
-  for (int64_t groups = 1; 4 * groups < elements; ++groups) {
-    const int64_t dim = elements - 4 * groups;
-    if (dim > kInt8Group * (groups - 1) && dim <= kInt8Group * groups) return dim;
-  }
+  if (!quantized(code)) return elements;
+  for (int64_t dim = 1; dim <= 2 * elements; ++dim)
+    if (row_elements(code, dim) == elements && (code != kByte || dim % 2 == 0)) return dim;
   return -1;
 }
 
@@ -156,9 +155,9 @@ void write_segment(const Segment& g, const Tensor& k, const Tensor& v) {
       std::copy_n(src + i * element_size(s.dtype), n * element_size(s.dtype), dst);
       return;
     }
-    if (s.dtype == kChar) {
+    if (quantized(s.dtype)) {
       for (int64_t d = 0; d < n; ++d) buf[d] = load(src, t, i + d);
-      quantize_row(buf.data(), n, dst);
+      quantize_row(s.dtype, buf.data(), n, dst);
       return;
     }
     for (int64_t d = 0; d < n; ++d) store(dst, s.dtype, d, load(src, t, i + d));

@@ -2,7 +2,7 @@
 //   - llmpipe::update_and_attend (off-graph: the runtime owns the cache, offgraph_kernel.cpp)
 //   - llmpipe::cached_attention  (custom: the cache is a mutable buffer of the program, custom_kernel.cpp)
 //
-// Both store K/V slot-major, [slot][kv_head][row], in Float, Half, BFloat16 or int8 rows, a layer being
+// Both store K/V slot-major, [slot][kv_head][row], in Float, Half, BFloat16, int8 or int4 rows, a layer being
 // either flat (slot = position) or a ring of `ring` slots (slot = position % ring). A step writes
 // logical positions [pos, pos+T) and reads [base, end) oldest to newest, each as at most two runs
 // of consecutive slots (a Plan). Attention runs in fp32, in work units over every head (a decode step's
@@ -18,20 +18,32 @@
 
 namespace llmrt::kv {
 
-// ExecuTorch ScalarType codes.
-constexpr int kChar = 1, kHalf = 5, kFloat = 6, kBFloat16 = 15;
+// ExecuTorch ScalarType codes. kByte tensors hold int4 K/V rows (ExecuTorch has no 4-bit tensor type).
+constexpr int kByte = 0, kChar = 1, kHalf = 5, kFloat = 6, kBFloat16 = 15;
 const char* dtype_name(int code);
 int element_size(int code);  // a float type's bytes; 0 otherwise
 
-// K/V storage rows. A float type stores dim elements. kChar (int8) stores dim int8 values in groups of 32 (the last
-// may be shorter), each with an fp32 scale (symmetric: scale = max |x| / 127, value = round(x / scale)); the scales
-// come first, in reverse (group 0's right before the values), so a reader finds a group's scale from the values'
-// address alone. A row is self-contained wherever it moves (cells, snapshots, rings).
-constexpr int64_t kInt8Group = 32;
-inline int64_t int8_scale_bytes(int64_t dim) { return 4 * ((dim + kInt8Group - 1) / kInt8Group); }
+// K/V storage rows. A float type stores dim elements. The quantized types store their values in groups of 32 (the
+// last may be shorter), each group symmetric with a scale; the scales come first, in reverse (group 0's right before
+// the values), so a reader finds a group's scale from the values' address alone. A row is self-contained wherever it
+// moves (cells, snapshots, rings).
+//   kChar (int8): an fp32 scale a group, scale = max |x| / 127, value = round(x / scale) in [-127, 127].
+//   kByte (int4): the row first rotated (hadamard_rows below), then an fp16 scale a group, scale = max |x| / 7,
+//     value = round(x / scale) in [-8, 7], stored + 8 two a byte (element 2i the low nibble). Attention reads it in
+//     the rotated basis: the core rotates each query row on entry and each output row back (the rotation is its own
+//     inverse), so q . k and the weighted sum of v are those of the unrotated rows.
+constexpr int64_t kQuantGroup = 32;
+inline bool quantized(int code) { return code == kChar || code == kByte; }
+inline bool rotated(int code) { return code == kByte; }
+inline int64_t scale_bytes(int code, int64_t dim) {
+  const int64_t groups = (dim + kQuantGroup - 1) / kQuantGroup;
+  return code == kChar ? 4 * groups : code == kByte ? 2 * groups : 0;
+}
 int64_t row_bytes(int code, int64_t dim);  // 0 if the code is no storage type
 // A row's stored width in the code's elements (the last dim of an in-graph cache buffer), and back
-inline int64_t row_elements(int code, int64_t dim) { return code == kChar ? dim + int8_scale_bytes(dim) : dim; }
+inline int64_t row_elements(int code, int64_t dim) {
+  return code == kChar ? dim + scale_bytes(code, dim) : code == kByte ? (dim + 1) / 2 + scale_bytes(code, dim) : dim;
+}
 int64_t row_values(int code, int64_t elements);  // -1 if no row of the code is that wide
 
 struct Run {
@@ -86,7 +98,7 @@ struct SlotView {
   const float* sinks = nullptr;
   // bytes of one row, and between consecutive slots / kv heads, of the keys (dim = head_dim) or values (dim = v_dim)
   int64_t row(int64_t dim) const { return row_bytes(dtype, dim); }
-  int64_t values_offset(int64_t dim) const { return dtype == kChar ? int8_scale_bytes(dim) : 0; }
+  int64_t values_offset(int64_t dim) const { return scale_bytes(dtype, dim); }
   int64_t slot_stride(int64_t dim) const { return head_major_slots ? row(dim) : kv_heads * row(dim); }
   int64_t head_stride(int64_t dim) const { return head_major_slots ? head_major_slots * row(dim) : row(dim); }
 };

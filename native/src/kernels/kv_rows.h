@@ -50,20 +50,60 @@ inline void store_row(void* out, int code, int64_t o, const float* x, int64_t n)
   }
 }
 
-// An int8 storage row (kv_attention.h) of x[d], d < n, at out: each group's scale (fp32, the last group's first),
-// then the values. The Python twin (pipeline/model/kv/quant.py) rounds the same way: scale = max|x| / 127 over the
-// group, value = round half to even of x / scale.
-inline void quantize_row(const float* x, int64_t n, uint8_t* out) {
-  const int64_t head = int8_scale_bytes(n);
-  auto* q = reinterpret_cast<int8_t*>(out + head);
-  for (int64_t g0 = 0; g0 < n; g0 += kInt8Group) {
-    const int64_t g1 = std::min(n, g0 + kInt8Group);
+// x[d], d < n, rotated in place: a Walsh-Hadamard transform over each block of the largest power of two dividing n
+// (all of a power-of-two head dim), scaled by 1 / sqrt(block) so it is orthonormal and its own inverse. It spreads an
+// outlier channel over the block, so a 4-bit group's scale is not set by one value. The Python twin
+// (pipeline/model/kv/quant.py) runs the same butterflies in the same order, bit for bit.
+inline void hadamard_rows(float* x, int64_t n) {
+  const int64_t block = n & -n;
+  if (block < 2) return;
+  for (int64_t o = 0; o < n; o += block)
+    for (int64_t h = 1; h < block; h *= 2)
+      for (int64_t i = o; i < o + block; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = x[j], b = x[j + h];
+          x[j] = a + b;
+          x[j + h] = a - b;
+        }
+  const float s = 1.f / std::sqrt(static_cast<float>(block));
+  for (int64_t d = 0; d < n; ++d) x[d] *= s;
+}
+
+// A quantized storage row (kv_attention.h) of x[d], d < n, at out: each group's scale (the last group's first),
+// then the values. The Python twin (pipeline/model/kv/quant.py) rounds the same way: scale = max|x| / levels over
+// the group (int4: rounded to fp16), value = round half to even of x / scale. An int4 row rotates x first (x is
+// overwritten).
+inline void quantize_row(int code, float* x, int64_t n, uint8_t* out) {
+  const bool four = code == kByte;
+  const int64_t head = scale_bytes(code, n);
+  const float levels = four ? 7.f : 127.f, lo = four ? -8.f : -127.f;
+  uint8_t* values = out + head;
+  if (four) {
+    hadamard_rows(x, n);
+    std::fill(values, values + (n + 1) / 2, uint8_t{0x88});  // an odd row's last high nibble: zero
+  }
+  for (int64_t g0 = 0; g0 < n; g0 += kQuantGroup) {
+    const int64_t g1 = std::min(n, g0 + kQuantGroup), slot = g0 / kQuantGroup + 1;
     float amax = 0.f;
     for (int64_t d = g0; d < g1; ++d) amax = std::max(amax, std::fabs(x[d]));
-    const float scale = amax / 127.f;
-    for (int64_t d = g0; d < g1; ++d)
-      q[d] = scale > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.f, 127.f)) : 0;
-    std::memcpy(out + head - 4 * (g0 / kInt8Group + 1), &scale, sizeof scale);
+    float scale = amax / levels;
+    if (four) {  // fp16 scales (saturating: a K/V value past 458k is no real model's)
+      const Half h(std::min(scale, 65504.f));
+      scale = static_cast<float>(h);
+      std::memcpy(out + head - 2 * slot, &h, 2);
+    } else {
+      std::memcpy(out + head - 4 * slot, &scale, 4);
+    }
+    for (int64_t d = g0; d < g1; ++d) {
+      const float q = scale > 0.f ? std::clamp(std::nearbyint(x[d] / scale), lo, levels) : 0.f;
+      if (!four) {
+        reinterpret_cast<int8_t*>(values)[d] = static_cast<int8_t>(q);
+        continue;
+      }
+      const auto nib = static_cast<uint8_t>(static_cast<int>(q) + 8);
+      uint8_t& byte = values[d / 2];
+      byte = d % 2 ? static_cast<uint8_t>((byte & 0x0F) | (nib << 4)) : static_cast<uint8_t>((byte & 0xF0) | nib);
+    }
   }
 }
 

@@ -47,7 +47,7 @@ OffgraphKvCache::OffgraphKvCache(std::vector<LayerSpec> specs, int64_t capacity,
                                 std::to_string(initial_capacity));
   if (kv::row_bytes(dtype_code, 1) == 0)
     throw std::invalid_argument("KV storage dtype code " + std::to_string(dtype_code) +
-                                " is not supported (Float, Half, BFloat16 or Char: int8 rows)");
+                                " is not supported (Float, Half, BFloat16, Char: int8 rows or Byte: int4 rows)");
   if (specs.empty()) throw std::invalid_argument("an off-graph cache needs at least one layer");
   initial_ = std::min(initial_, capacity_);
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -354,6 +354,7 @@ int parse_dtype(const std::string& text) {
   if (t == "fp16" || t == "float16" || t == "half") return kHalf;
   if (t == "bf16" || t == "bfloat16") return kBFloat16;
   if (t == "int8") return kv::kChar;
+  if (t == "int4") return kv::kByte;
   return -1;
 }
 

@@ -33,8 +33,8 @@
 //   - rewind(target): target <= length and not below what the rings still hold.
 //   - snapshot / restore: the length and the recurrent states (a copy), taken before a speculative verify
 //     step; restore goes back to them (the rings' floor as for a rewind), and the caller replays what it keeps.
-// Storage: [slot][kv_head][row], dtype Float, Half or BFloat16 (writes cast), or int8 rows with their scale
-// (kv_attention.h).
+// Storage: [slot][kv_head][row], dtype Float, Half or BFloat16 (writes cast), or int8 / rotated int4 rows with
+// their scales (kv_attention.h).
 //
 // Recurrent layers (set_states: the program's get_layer_kinds / get_state_shapes) keep a fixed-size state here
 // beside the attention caches, fp32 whatever the K/V dtype: a Gated DeltaNet's [heads][key dim][value dim] matrix and

@@ -81,6 +81,15 @@ inline V8 bf16x8(const uint16_t* p) {
 inline V8 i8x8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
 }
+// eight 4-bit values at p (four bytes, element 2i the low nibble), each stored + 8
+inline V8 i4x8(const uint8_t* p) {
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  const __m128i b = _mm_cvtsi32_si128(w), m = _mm_set1_epi8(0x0F);
+  const __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_sub_epi8(x, _mm_set1_epi8(8))))};
+}
+inline float half1(uint16_t h) { return _cvtsh_ss(h); }
 #endif
 
 #ifdef LLMPIPE_NEON
@@ -128,12 +137,21 @@ inline V8 i8x8(const int8_t* p) {
   const int16x8_t w = vmovl_s8(vld1_s8(p));
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_high_s16(w))};
 }
+inline V8 i4x8(const uint8_t* p) {
+  uint32_t w;
+  std::memcpy(&w, p, 4);
+  const uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(w));
+  const uint8x8_t x = vzip1_u8(vand_u8(b, vdup_n_u8(0x0F)), vshr_n_u8(b, 4));  // lo0 hi0 lo1 hi1 ...
+  const int16x8_t v = vmovl_s8(vsub_s8(vreinterpret_s8_u8(x), vdup_n_s8(8)));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(v))), vcvtq_f32_s32(vmovl_high_s16(v))};
+}
+inline float half1(uint16_t h) { return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(h))), 0); }
 #endif
 
 // How element i of a K/V row (its first element at p) loads as fp32, by storage type: one at a time, and (V8) eight
 // at a time from an i that is a multiple of 8. The loops below take rows of any of them and convert in registers, so
-// a half or int8 row is never copied to fp32 first (the same values: the float conversions are exact, an int8 value
-// times its group's scale rounds once, as the Python twin's dequantization does).
+// a half or quantized row is never copied to fp32 first (the same values: the float conversions are exact, a
+// quantized value times its group's scale rounds once, as the Python twin's dequantization does).
 struct F32Rows {
   using E = float;
   static float one(const float* p, int64_t i) { return p[i]; }
@@ -173,6 +191,28 @@ struct I8Rows {
   static float one(const int8_t* p, int64_t i) { return static_cast<float>(p[i]) * scale(p, i); }
 #ifdef LLMPIPE_V8
   static V8 eight(const int8_t* p, int64_t i) { return mul8(i8x8(p + i), splat8(scale(p, i))); }
+#endif
+};
+
+// int4 values (two a byte, + 8) in groups of 32, each group's fp16 scale stored before the values, the first
+// group's nearest (kv_attention.h): the scale of element i sits 2 * (i / 32 + 1) bytes before the values. The row is
+// in the rotated basis; the core rotates queries and outputs to match.
+struct I4Rows {
+  using E = uint8_t;
+  static float scale(const uint8_t* p, int64_t i) {
+    uint16_t h;
+    std::memcpy(&h, p - 2 * (i / 32 + 1), 2);
+#ifdef LLMPIPE_V8
+    return half1(h);
+#else
+    return half_to_float(h);
+#endif
+  }
+  static float one(const uint8_t* p, int64_t i) {
+    return static_cast<float>(((p[i / 2] >> (4 * (i % 2))) & 0x0F) - 8) * scale(p, i);
+  }
+#ifdef LLMPIPE_V8
+  static V8 eight(const uint8_t* p, int64_t i) { return mul8(i4x8(p + i / 2), splat8(scale(p, i))); }
 #endif
 };
 

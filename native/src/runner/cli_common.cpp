@@ -155,7 +155,7 @@ void CommonOptions::check_kv_initial_capacity() const {
 
 void CommonOptions::check_kv_storage_dtype() const {
   if (offgraph::parse_dtype(kv_storage_dtype) < 0)
-    throw UsageError("--kv-storage-dtype expects fp32, fp16, bf16 or int8, got '" + kv_storage_dtype + "'");
+    throw UsageError("--kv-storage-dtype expects fp32, fp16, bf16, int8 or int4, got '" + kv_storage_dtype + "'");
 }
 
 int64_t CommonOptions::kv_initial() const {

@@ -55,7 +55,7 @@ void print_help() {
       "  --kv-initial-capacity N  positions first allocated per flat layer; doubles on demand\n"
       "                        up to --kv-max-capacity; -1 = the default (clamped to the\n"
       "                        capacity) (default: %lld)\n"
-      "  --kv-storage-dtype T  fp32 | fp16 | bf16 | int8 (default: the program's activation dtype)\n"
+      "  --kv-storage-dtype T  fp32 | fp16 | bf16 | int8 | int4 (default: the program's activation dtype)\n"
       "  --kv-windows LIST     comma list of windows repeated over the caches, 0 = flat\n"
       "                        (full attention), e.g. 512,0; the prefill chunk stays as exported\n"
       "                        (default: the program's get_windows)\n"

@@ -17,8 +17,8 @@ ASYMMETRIC_WEIGHTS = True   # affine quantized matmul: scale + bias per group
 HANDOVER_DTYPES = ("fp32", "fp16", "bf16")  # dtypes the transformers exporter's route takes
 HANDOVER_DTYPES_WHY = ""
 KV_STORAGES = ("fp32", "fp16", "bf16")
-KV_STORAGES_WHY = ("int8 rows are our caches' (the C++ runners', the Python runtime's); on a Mac the MLX runtime's own "
-                   "off-graph cache stores K/V in a float type")
+KV_STORAGES_WHY = ("int8 and int4 rows are our caches' (the C++ runners', the Python runtime's); on a Mac the MLX "
+                   "runtime's own off-graph cache stores K/V in a float type")
 DELEGATES_MATMULS = True  # lower refuses a half-precision program with matmuls outside the delegate
 NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernels, not the MLX delegate
 # an in-memory exported program still carries torchao tensor subclasses in its nodes' values, which MLX's lowering

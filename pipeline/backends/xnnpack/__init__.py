@@ -19,7 +19,7 @@ WEIGHT_ONLY_BITS = {name: s.bits for name, s in SCHEMES.items() if s.weight_only
 HANDOVER_DTYPES = ("fp32", "fp16")
 HANDOVER_DTYPES_WHY = ("its stock XNNPACK partitioner leaves bf16 matmuls outside the delegate; export.exporter=native "
                        "delegates them")
-KV_STORAGES = ("fp32", "fp16", "bf16", "int8")  # our off-graph caches (native/src/kernels/offgraph_cache.h)
+KV_STORAGES = ("fp32", "fp16", "bf16", "int8", "int4")  # our off-graph caches (native/src/kernels/offgraph_cache.h)
 KV_STORAGES_WHY = ""
 # a half-precision program with matmuls outside the delegate runs them on portable kernels (~100x slower): refused
 DELEGATES_MATMULS = True

@@ -4,8 +4,8 @@ each attention layer calls one fused op that updates it in place and attends.
     llmpipe::cached_attention(q, k, v, k_cache!, v_cache!, position, window, scale, sinks=None) -> out
 
 - q [1,Hq,T,D], k [1,Hkv,T,D], v [1,Hkv,T,Dv] (q and k RoPE-rotated); k_cache [slots,Hkv,D],
-  v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage; an int8 cache's rows hold their group scales before
-  the values: pipeline/model/kv/quant.py); position [T] consecutive.
+  v_cache [slots,Hkv,Dv] (slot-major, like the off-graph storage; an int8 or int4 cache's rows hold their group
+  scales before the values: pipeline/model/kv/quant.py); position [T] consecutive.
 - window 0: a flat cache, slot = position, keys [0, pos+T). window w > 0: a ring of
   slots = min(w + chunk - 1, max context), slot = position % slots, keys [max(0, pos-w+1), pos+T):
   sliding layers cost window + chunk - 1 positions, not the whole context. A step that wraps the
@@ -180,7 +180,7 @@ class CustomCacheLM(HookedAttentionLM):
     """Runner layout over an HF causal LM with an in-graph cache and one fused op per attention layer.
 
     Each attention module gets buffers k_cache / v_cache ([slots, Hkv, D], the activation dtype or kv_dtype; int8
-    rows carry their scales, pipeline/model/kv/quant.py) and its
+    and int4 rows carry their scales, pipeline/model/kv/quant.py) and its
     window; sliding layers hold a ring of min(window + chunk - 1, context) slots. A step at any position
     overwrites what follows it, so a rerun from 0 simply starts a new sequence.
     """

@@ -27,7 +27,8 @@ from pipeline.model.kv.quant import decode, encode, row_width
 
 DEFAULT_INITIAL_CAPACITY = 512
 # the C++ cache's names of the storage dtypes, in the [cache] report
-DTYPE_LABELS = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int8: "Int8"}
+DTYPE_LABELS = {torch.float32: "Float", torch.float16: "Half", torch.bfloat16: "BFloat16", torch.int8: "Int8",
+                torch.uint8: "Int4"}
 
 
 class OffgraphCacheError(RuntimeError):
@@ -176,7 +177,7 @@ class OffgraphCache:
 
     # -- data ---------------------------------------------------------------------------------
     def write(self, plan: Plan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k [Hkv,T,D], v [Hkv,T,Dv] (cast to the storage dtype, or int8 rows: kv/quant.py)."""
+        """k [Hkv,T,D], v [Hkv,T,Dv] (cast to the storage dtype, or quantized rows: kv/quant.py)."""
         L = self.layers[plan.layer]
         L.ensure(plan.end, self.capacity)
         off = 0
