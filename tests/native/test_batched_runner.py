@@ -111,9 +111,10 @@ def test_sessions_equal_single_session_runs(name, kind, batched_bins, og_program
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("storage,label", [("bf16", "BFloat16"), ("int8", "Int8")])
+@pytest.mark.parametrize("storage,label", [("bf16", "BFloat16"), ("int8", "Int8"), ("int4", "Int4")])
 def test_stored_kv_equals_single_session_runs(storage, label, kind, batched_bins, og_programs, single):
-    """Cells (and rings) of bf16 or int8 rows: each session's tokens equal a single-session run at the same storage."""
+    """Cells (and rings) of bf16, int8 or int4 rows: each session's tokens equal a single-session run at the same
+    storage."""
     _, gens, engine = batched(batched_bins, og_programs / "og_gemma3_full.pte", PROMPTS, "--cache-kind", kind,
                               "--kv-storage-dtype", storage, "--kv-initial-capacity", 8, "--max-new-tokens", N_NEW,
                               "--ignore-eos")
@@ -122,19 +123,20 @@ def test_stored_kv_equals_single_session_runs(storage, label, kind, batched_bins
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_prefix_snapshots_of_int8_rows(kind, batched_bins, og_programs):
-    """Snapshots of int8 rows (their scales inside them) resume as the cold run computes: equal, shorter and
+@pytest.mark.parametrize("storage,label", [("int8", "Int8"), ("int4", "Int4")])
+def test_prefix_snapshots_of_quantized_rows(storage, label, kind, batched_bins, og_programs):
+    """Snapshots of int8 / int4 rows (their scales inside them) resume as the cold run computes: equal, shorter and
     extended prompts hit and give the cold tokens."""
     a = P30[:12]
     prompts = [a, a, a[:7], a + [5, 6, 7, 8]]
     args = ["--cache-kind", kind, "--max-decode-sequences", 1, "--max-new-tokens", N_NEW, "--ignore-eos",
-            "--kv-storage-dtype", "int8"]
+            "--kv-storage-dtype", storage]
     _, cold, _ = batched(batched_bins, og_programs / "og_gemma3_full.pte", prompts, *args)
     _, warm, engine = batched(batched_bins, og_programs / "og_gemma3_full.pte", prompts, *args,
                               "--prefix-cache-entries", 4)
     assert [g["cached_tokens"] for g in warm] == [0, 11, 6, 12]
     assert tokens(warm) == tokens(cold)
-    assert "kv_dtype=Int8" in engine["cache_report"]
+    assert f"kv_dtype={label}" in engine["cache_report"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

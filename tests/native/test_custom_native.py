@@ -1,6 +1,6 @@
 """The C++ runner on a `cache=custom` program: the fused llmpipe::cached_attention kernel over the program's own
 cache buffers, and the rewind floor its sliding-window rings impose (tiny random Gemma 3, built by the pipeline); K/V
-stored in half or int8 rows, in the program's buffers or (off-graph) the runtime's cache."""
+stored in half, int8 or int4 rows, in the program's buffers or (off-graph) the runtime's cache."""
 from __future__ import annotations
 
 import json
@@ -49,10 +49,10 @@ def test_undo_below_what_the_rings_hold_is_refused(native_bins, tiny_custom):
     assert after_reset["generated_ids"] == first["generated_ids"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp16", "bf16", "int8", "int4"])
 def test_kv_storage_verifies_and_holds_fewer_bytes(kv_dtype):
-    """cache.kv_dtype: the program's K/V buffers in half, or int8 rows with a scale each (the fused kernel converts
-    on write and reads the stored rows, rings wrapped); verify's references hold the same buffers and round the same
+    """cache.kv_dtype: the program's K/V buffers in half, or int8 / rotated int4 rows with scales (the fused kernel
+    converts on write and reads the stored rows, rings wrapped); verify's references hold the same buffers and round the same
     way, so the exact gate still applies: C++ == Python runtime == eager."""
     import torch
 
@@ -62,19 +62,23 @@ def test_kv_storage_verifies_and_holds_fewer_bytes(kv_dtype):
     full = build("tiny_gemma3_custom", stages=("download", "wrap"))
     stored = torch.load(stage_path(m, "wrap") / "module.pt", weights_only=False)
     ref = torch.load(stage_path(full, "wrap") / "module.pt", weights_only=False)
-    want = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}[kv_dtype]
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}[kv_dtype]
     assert {b.dtype for n, b in stored.named_buffers() if n.endswith(("k_cache", "v_cache"))} == {want}
     head_dim = ref.model.config.get_text_config().head_dim
-    # fp32 rows of D values against half rows, or int8 rows: D values and a 4-byte scale per group of 32
-    per_row = {"fp16": 2 * head_dim, "bf16": 2 * head_dim, "int8": head_dim + 4 * -(-head_dim // 32)}[kv_dtype]
+    # fp32 rows of D values against half rows, int8 rows (D values and a 4-byte scale per group of 32) or int4 rows
+    # (D / 2 bytes and a 2-byte scale per group)
+    groups = -(-head_dim // 32)
+    per_row = {"fp16": 2 * head_dim, "bf16": 2 * head_dim, "int8": head_dim + 4 * groups,
+               "int4": head_dim // 2 + 2 * groups}[kv_dtype]
     assert stored.cache_bytes() * 4 * head_dim == ref.cache_bytes() * per_row
     assert m["verify"]["native"]["token_parity"]
 
 
-def test_offgraph_int8_storage_passes_the_exact_gate():
-    """verify.runtime.kv_storage_dtype=int8 on an off-graph program: the runtime's cache (the C++ one, in the Python
-    runtime and in llm_runner) keeps int8 rows, rings wrapped; the eager reference's Python cache rounds them the same
-    way, so the exact gate applies as to a float cache."""
-    m = build("tiny_gemma3_offgraph", "verify.runtime.kv_storage_dtype=int8")
+@pytest.mark.parametrize("storage", ["int8", "int4"])
+def test_offgraph_quantized_storage_passes_the_exact_gate(storage):
+    """verify.runtime.kv_storage_dtype=int8 / int4 on an off-graph program: the runtime's cache (the C++ one, in the
+    Python runtime and in llm_runner) keeps quantized rows, rings wrapped; the eager reference's Python cache rounds
+    them the same way, so the exact gate applies as to a float cache."""
+    m = build("tiny_gemma3_offgraph", f"verify.runtime.kv_storage_dtype={storage}")
     assert m["status"] == "ok"
     assert m["verify"]["native"]["token_parity"]

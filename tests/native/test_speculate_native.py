@@ -38,15 +38,20 @@ def _speculate(m: dict, new: int, *extra: str) -> dict:
 @pytest.mark.parametrize("make,extra", [
     (lambda: build("tiny_gemma3_custom", "cache.kv_dtype=int8", "verify.enabled=false"), ()),
     (lambda: build("tiny_gemma3_offgraph", "verify.enabled=false"), ("--kv-storage-dtype", "int8")),
-], ids=["custom-int8-rings", "offgraph-int8-rings"])
-def test_speculation_on_int8_rows_keeps_the_plain_tokens(native_bins, make, extra):
-    """Rollback over int8 K/V rows, rings wrapped: the greedy tokens of the plain run at the same storage."""
+    (lambda: build("tiny_gemma3_custom", "cache.kv_dtype=int4", "verify.enabled=false"), ()),
+    (lambda: build("tiny_gemma3_offgraph", "verify.enabled=false"), ("--kv-storage-dtype", "int4")),
+    (lambda: build_family("lfm2", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8", "verify.enabled=false"),
+     ("--kv-storage-dtype", "int4")),
+], ids=["custom-int8-rings", "offgraph-int8-rings", "custom-int4-rings", "offgraph-int4-rings", "lfm2-offgraph-int4"])
+def test_speculation_on_quantized_rows_keeps_the_plain_tokens(native_bins, make, extra):
+    """Rollback over int8 / int4 K/V rows, rings wrapped (and a recurrent hybrid's attention layers): the greedy
+    tokens of the plain run at the same storage."""
     m = make()
     stats = _speculate(m, min(42, m["config"]["export"]["max_context_len"] - len(PROMPT) - 1), *extra)
     spec = stats["speculation"]
     assert spec["identical"] is True and spec["drafted"] > 0, spec
     if extra:
-        assert "kv_dtype=Int8" in stats["cache_report"]
+        assert f"kv_dtype={ {'int8': 'Int8', 'int4': 'Int4'}[extra[-1]] }" in stats["cache_report"]
 
 
 @pytest.mark.parametrize("make", [
