@@ -21,7 +21,8 @@ How:
 - Speed: llm_runner at 2 threads, a prompt of `depth` tokens then 64 decoded (EOS ignored), each storage in a process
   of its own; the median of --rounds rounds that run every storage once, in turn. Depth 400 as well: the issue's
   fp16-against-fp32 measurement was made there.
-- Bytes per position: what one position costs over every attention layer (a ring layer's slots cost the same).
+- Bytes per position: what one position costs over every attention layer (a ring layer's slots cost the same); MB at
+  32k: what a session of 32,768 positions holds (a ring layer its window + chunk - 1 slots, a flat layer them all).
 Writes outputs/bench/kv_quant.json and prints one Markdown table per model.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ CTX = 2112                      # the programs' max context: depth 2048 and the 
 DEPTHS = (512, 1024, 2048)      # fidelity: the 64 positions before each
 SPEED_DEPTHS = (400, 1024, 2048)
 WINDOW = 64                     # positions scored (and tokens decoded) per depth
-STORAGES = ("fp32", "fp16", "bf16", "int8")
+STORAGES = ("fp32", "fp16", "bf16", "int8", "int4")
+LONG = 32768                    # the cache bytes a 32k-position session holds (rings at their slots, flat layers full)
 LLAMA_KV = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids (type_k / type_v)
 MODELS = {
     "smollm2": {"fidelity": ["recipe=smollm2_offgraph"], "speed": ["cache=offgraph"]},
@@ -88,15 +90,17 @@ def figures(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float, int]:
     return float(kld.sum()), int((lr.argmax(-1) == lg.argmax(-1)).sum()), len(kld)
 
 
-def bytes_per_position(program, storage: str) -> int:
-    """K and V bytes one position costs over every attention layer, at `storage` (the layers the runtime sizes)."""
+def cache_bytes(program, storage: str, positions: int = 1) -> int:
+    """K and V bytes over every attention layer at `storage` (the layers the runtime sizes): one position's, or a
+    session's of `positions` (a ring layer holds window + chunk - 1 slots, a flat layer every position)."""
     from pipeline import abi
     from pipeline.model.kv.quant import row_width
     from pipeline.runtimes.base import runtime_cache_plan
     dtype = abi.KV_DTYPES[storage]
-    specs = runtime_cache_plan(program.constant, program.program.method_names)[0]
+    specs, _, chunk, _ = runtime_cache_plan(program.constant, program.program.method_names)
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum(sp.kv_heads * (row_width(dtype, sp.head_dim) + row_width(dtype, sp.v_dim)) * size for sp in specs)
+    return sum((min(sp.window + chunk - 1, positions) if sp.window > 0 and positions > 1 else positions) * sp.kv_heads
+               * (row_width(dtype, sp.head_dim) + row_width(dtype, sp.v_dim)) * size for sp in specs)
 
 
 def fidelity(model: str, args) -> dict:
@@ -114,7 +118,8 @@ def fidelity(model: str, args) -> dict:
     for s in STORAGES:
         program = open_program(lower_of(m), policy=CachePolicy(capacity=CTX, kv_dtype=abi.KV_DTYPES[s]))
         engines[f"ours {s}"] = functools.partial(program_depth_logits, program)
-        rows[f"ours {s}"] = {"engine": "ours", "storage": s, "bytes_per_position": bytes_per_position(program, s)}
+        rows[f"ours {s}"] = {"engine": "ours", "storage": s, "bytes_per_position": cache_bytes(program, s),
+                             "bytes_32k": cache_bytes(program, s, LONG)}
     if not args.no_llama_cpp:
         path = gguf_file(m)
         for kv, t in LLAMA_KV.items():
@@ -164,13 +169,14 @@ def table(model: str, result: dict) -> str:
     rows = result["fidelity"]["rows"]
     speeds = result.get("speed", {})
     base = {"ours": rows.get("ours fp16"), "llama.cpp": rows.get("llama.cpp f16")}
-    head = ["engine", "K/V", "bytes/pos"] + [f"KLD @{d}" for d in DEPTHS] + [f"+KLD @{d}" for d in DEPTHS] + \
+    head = ["engine", "K/V", "bytes/pos", "MB @32k"] + [f"KLD @{d}" for d in DEPTHS] + [f"+KLD @{d}" for d in DEPTHS] + \
         [f"top-1 @{DEPTHS[-1]}"] + [f"tok/s @{d}" for d in SPEED_DEPTHS]
     lines = [f"### {model} ({len(result['fidelity']['texts'])} texts)", "", "| " + " | ".join(head) + " |",
              "|" + "---|" * len(head)]
     for name, r in rows.items():
         b = base[r["engine"]]
-        cells = [r["engine"], r["storage"], str(r.get("bytes_per_position", ""))]
+        cells = [r["engine"], r["storage"], str(r.get("bytes_per_position", "")),
+                 f"{r['bytes_32k'] / 1e6:.1f}" if "bytes_32k" in r else ""]
         cells += [f"{r['kld'][str(d)]:.5f}" for d in DEPTHS]
         cells += [f"{r['kld'][str(d)] - b['kld'][str(d)]:+.5f}" if b else "" for d in DEPTHS]
         cells += [f"{100 * r['top1'][str(DEPTHS[-1])]:.1f} %"]

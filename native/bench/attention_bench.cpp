@@ -1,7 +1,7 @@
 // attention_bench: the attention core alone, one decode step per layer over a cache filled to a depth, as a
 // decoded token runs it (every layer its own K/V buffers, so a step reads them from memory, not cache).
 //
-//   native/build/attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16] [--model M] [--depth N]
+//   native/build/attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16|int8|int4] [--model M] [--depth N]
 //                                [--rows T]     (a prefill chunk of T rows ending at the depth; default 1)
 //                                [--in-cache]   (every layer reads the same K/V: the compute alone)
 //                                [--cold]       (128 MB read before each token: K/V from memory, as in a runner)
@@ -21,6 +21,7 @@
 #include <executorch/runtime/platform/runtime.h>
 
 #include "kernels/kv_attention.h"
+#include "kernels/kv_rows.h"
 #include "kernels/simd_math.h"
 #include "runtime/threadpool.h"
 
@@ -37,23 +38,27 @@ struct Geometry {
   std::vector<int64_t> depths;
 };
 
-// element i of a K/V buffer stored as `dtype`
-double stored(const uint8_t* p, int dtype, int64_t i) {
-  uint16_t h;
-  uint32_t bits;
-  float f;
-  switch (dtype) {
-    case kFloat: std::memcpy(&f, p + i * 4, 4); return f;
-    case kBFloat16:
-      std::memcpy(&h, p + i * 2, 2);
-      bits = static_cast<uint32_t>(h) << 16;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    default: std::memcpy(&h, p + i * 2, 2); return llmrt::kv::simd::half_to_float(h);
+// the n values of a stored K/V row as the attention reads them (an int4 row rotated back)
+std::vector<double> decoded(const uint8_t* row, int dtype, int64_t n) {
+  std::vector<float> f(static_cast<size_t>(n));
+  const uint8_t* vals = row + scale_bytes(dtype, n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    switch (dtype) {
+      case kFloat: std::memcpy(&f[i], row + i * 4, 4); break;
+      case kChar: f[i] = llmrt::kv::simd::I8Rows::one(reinterpret_cast<const int8_t*>(vals), i); break;
+      case kByte: f[i] = llmrt::kv::simd::I4Rows::one(vals, i); break;
+      case kBFloat16: std::memcpy(&h, row + i * 2, 2); f[i] = llmrt::kv::simd::BF16Rows::one(&h, 0); break;
+      default: std::memcpy(&h, row + i * 2, 2); f[i] = llmrt::kv::simd::half_to_float(h); break;
+    }
   }
+  if (rotated(dtype)) hadamard_rows(f.data(), n);
+  return {f.begin(), f.end()};
 }
 
-int code_of(const std::string& s) { return s == "fp16" ? kHalf : s == "bf16" ? kBFloat16 : kFloat; }
+int code_of(const std::string& s) {
+  return s == "fp16" ? kHalf : s == "bf16" ? kBFloat16 : s == "int8" ? kChar : s == "int4" ? kByte : kFloat;
+}
 
 // shared: every layer reads layer 0's buffers (the attention's compute alone: its K/V stay in the caches)
 // cold: before each timed token, a read of 128 MB (a decoded token streams the weights between its attention
@@ -61,10 +66,10 @@ int code_of(const std::string& s) { return s == "fp16" ? kHalf : s == "bf16" ? k
 // rows: query rows of the step (1: a decode step; more: a prefill chunk whose last row sits at `depth`)
 double run(const Geometry& g, int64_t depth, int64_t rows, int dtype, int reps, bool shared, bool cold,
            uint64_t* digest, double* err) {
-  const int64_t slots = depth + 1, es = element_size(dtype);
+  const int64_t slots = depth + 1, rb = row_bytes(dtype, g.d);
   std::mt19937 rng(1);
   // every layer's K/V in one region, as a runner's arena holds them
-  const size_t layer_bytes = static_cast<size_t>(slots * g.hkv * g.d * es);
+  const size_t layer_bytes = static_cast<size_t>(slots * g.hkv * rb);
   const size_t total = (2 * layer_bytes * g.layers + (2u << 20)) & ~((2u << 20) - 1);
   uint8_t* region = static_cast<uint8_t*>(std::aligned_alloc(2u << 20, total));
   std::memset(region, 0, total);
@@ -72,11 +77,16 @@ double run(const Geometry& g, int64_t depth, int64_t rows, int dtype, int reps, 
   for (int l = 0; l < g.layers; ++l) {
     k[l] = region + 2 * l * layer_bytes;
     v[l] = k[l] + layer_bytes;
-    // small finite values in any storage type: fp32 from floats, half types from their top bytes' patterns
+    // small finite values in any storage type: fp32 from floats, half types from their top bytes' patterns,
+    // quantized rows as the caches write them
     std::vector<float> f(static_cast<size_t>(slots * g.hkv * g.d));
     std::normal_distribution<float> nd(0.f, 1.f);
     for (auto& x : f) x = nd(rng);
-    for (size_t i = 0; i < f.size(); ++i) {
+    for (size_t i = 0; quantized(dtype) && i < f.size(); i += g.d) {
+      quantize_row(dtype, &f[i], g.d, k[l] + i / g.d * rb);
+      std::memcpy(v[l] + i / g.d * rb, k[l] + i / g.d * rb, rb);
+    }
+    for (size_t i = 0; !quantized(dtype) && i < f.size(); ++i) {
       if (dtype == kFloat) {
         std::memcpy(k[l] + i * 4, &f[i], 4);
         std::memcpy(v[l] + i * 4, &f[i], 4);
@@ -131,17 +141,20 @@ double run(const Geometry& g, int64_t depth, int64_t rows, int dtype, int reps, 
   for (int64_t h = 0; h < g.hq; ++h) {
     const int64_t kh = h / group;
     std::vector<double> sc(static_cast<size_t>(depth + 1));
+    std::vector<std::vector<double>> vs(static_cast<size_t>(depth + 1));
     double mx = -1e300, sum = 0.0;
     for (int64_t j = 0; j <= depth; ++j) {
+      const std::vector<double> kr = decoded(lk + (j * g.hkv + kh) * rb, dtype, g.d);
+      vs[j] = decoded(lv + (j * g.hkv + kh) * rb, dtype, g.d);
       double dot = 0.0;
-      for (int64_t d = 0; d < g.d; ++d) dot += double(qd[(h * rows + last) * g.d + d]) * stored(lk, dtype, (j * g.hkv + kh) * g.d + d);
+      for (int64_t d = 0; d < g.d; ++d) dot += double(qd[(h * rows + last) * g.d + d]) * kr[d];
       sc[j] = dot * scale;
       mx = std::max(mx, sc[j]);
     }
     for (auto& x : sc) sum += (x = std::exp(x - mx));
     for (int64_t d = 0; d < g.d; ++d) {
       double o = 0.0;
-      for (int64_t j = 0; j <= depth; ++j) o += sc[j] * stored(lv, dtype, (j * g.hkv + kh) * g.d + d);
+      for (int64_t j = 0; j <= depth; ++j) o += sc[j] * vs[j][d];
       *err = std::max(*err, std::abs(o / sum - od[(h * rows + last) * g.d + d]));
     }
   }
@@ -176,7 +189,7 @@ int main(int argc, char** argv) {
     else if (a == "--depth" && val) only_depth = std::atoll(argv[++i]);
     else if (a == "--rows" && val) rows = std::atoll(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16] "
+      std::fprintf(stderr, "usage: attention_bench [--threads N] [--reps R] [--dtype fp32|fp16|bf16|int8|int4] "
                            "[--model smollm2|gemma3] [--depth N] [--rows T] [--in-cache] [--cold]\n");
       return 2;
     }
@@ -195,7 +208,7 @@ int main(int argc, char** argv) {
       double err = 0.0;
       if (depth + 1 < rows) continue;
       const double us = run(g, depth, rows, code, reps, shared, cold, &digest, &err);
-      const double mb = 2.0 * g.layers * (depth + 1) * g.hkv * g.d * element_size(code) / 1e6;
+      const double mb = 2.0 * g.layers * (depth + 1) * g.hkv * row_bytes(code, g.d) / 1e6;
       std::printf("  %-14s depth %5lld  %8.1f us  %6.2f MB of K/V  %5.1f GB/s  err %.1e  out %016llx\n", g.name,
                   static_cast<long long>(depth), us, mb, mb * 1e3 / us, err, static_cast<unsigned long long>(digest));
     }
