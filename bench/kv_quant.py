@@ -5,6 +5,7 @@ beside it on the same tokens.
     python bench/kv_quant.py                                # both models (about half an hour cold)
     python bench/kv_quant.py --models smollm2 --texts 1     # one model, one text per held-out domain
     python bench/kv_quant.py --no-llama-cpp --no-speed      # fidelity of our storages only
+    python bench/kv_quant.py --storages fp16,int4 --no-llama-cpp   # these rows again, the others' last results kept
 
 How:
 - Every row of a model runs one off-graph program (the runtime picks the storage per run: verify.runtime's
@@ -115,7 +116,7 @@ def fidelity(model: str, args) -> dict:
     tok = AutoTokenizer.from_pretrained(m["model_dir"])
     texts = [(dom, c) for dom, cs in heldout_chunks(tok, CTX, args.texts).items() for c in cs]
     engines, rows = {}, {}
-    for s in STORAGES:
+    for s in args.storages:
         program = open_program(lower_of(m), policy=CachePolicy(capacity=CTX, kv_dtype=abi.KV_DTYPES[s]))
         engines[f"ours {s}"] = functools.partial(program_depth_logits, program)
         rows[f"ours {s}"] = {"engine": "ours", "storage": s, "bytes_per_position": cache_bytes(program, s),
@@ -151,9 +152,10 @@ def speed(model: str, args) -> dict:
     m = build([*MODELS[model]["speed"], *SIZE])
     tok = AutoTokenizer.from_pretrained(m["model_dir"])
     ids = next(iter(heldout_chunks(tok, CTX, 1).values()))[0]
-    runs = {s: {d: [] for d in SPEED_DEPTHS} for s in STORAGES}
+    storages = args.storages
+    runs = {s: {d: [] for d in SPEED_DEPTHS} for s in storages}
     for r in range(args.rounds):
-        order = STORAGES[r % len(STORAGES):] + STORAGES[:r % len(STORAGES)]
+        order = storages[r % len(storages):] + storages[:r % len(storages)]
         for d in SPEED_DEPTHS:
             for s in order:
                 stats = native.run(m["pte"], None, prompt_ids=ids[:d], max_new_tokens=WINDOW,
@@ -162,6 +164,13 @@ def speed(model: str, args) -> dict:
                 runs[s][d].append(stats["decode_tok_s"])
         print(f"[{model}] speed round {r + 1}/{args.rounds}", flush=True)
     return {s: {d: statistics.median(v) for d, v in per.items()} for s, per in runs.items()}
+
+
+def _row_order(item) -> tuple:
+    """ours first, by STORAGES, then llama.cpp's by LLAMA_KV."""
+    r = item[1]
+    order = STORAGES if r["engine"] == "ours" else tuple(LLAMA_KV)
+    return (r["engine"] != "ours", order.index(r["storage"]) if r["storage"] in order else len(order))
 
 
 def table(model: str, result: dict) -> str:
@@ -194,7 +203,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-speed", action="store_true")
+    ap.add_argument("--storages", default=",".join(STORAGES),
+                    help="our K/V storages to run; a subset replaces those rows of the last results, keeping the rest")
     args = ap.parse_args()
+    args.storages = args.storages.split(",")
+    if bad := sorted(set(args.storages) - set(STORAGES)):
+        raise SystemExit(f"--storages: {bad} not in {list(STORAGES)}")
     if not args.no_llama_cpp:
         try:
             import llama_cpp  # noqa: F401
@@ -206,9 +220,13 @@ def main() -> None:
     for model in args.models.split(","):
         if model not in MODELS:
             raise SystemExit(f"--models: {model!r} is not one of {sorted(MODELS)}")
-        results[model] = {"fidelity": fidelity(model, args)}
+        last = results.get(model, {}) if args.no_llama_cpp or set(args.storages) != set(STORAGES) else {}
+        fid = fidelity(model, args)
+        rows = {n: r for n, r in last.get("fidelity", {}).get("rows", {}).items() if n not in fid["rows"]}
+        fid["rows"] = dict(sorted({**rows, **fid["rows"]}.items(), key=_row_order))
+        results[model] = {"fidelity": fid, "speed": last.get("speed", {})}
         if not args.no_speed:
-            results[model]["speed"] = speed(model, args)
+            results[model]["speed"].update(speed(model, args))
         write_results("kv_quant", results)
     for model, result in results.items():
         print("\n" + table(model, json.loads(json.dumps(result))))

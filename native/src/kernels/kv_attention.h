@@ -28,8 +28,9 @@ int element_size(int code);  // a float type's bytes; 0 otherwise
 // the values), so a reader finds a group's scale from the values' address alone. A row is self-contained wherever it
 // moves (cells, snapshots, rings).
 //   kChar (int8): an fp32 scale a group, scale = max |x| / 127, value = round(x / scale) in [-127, 127].
-//   kByte (int4): the row first rotated (hadamard_rows below), then an fp16 scale a group, scale = max |x| / 7,
-//     value = round(x / scale) in [-8, 7], stored + 8 two a byte (element 2i the low nibble). Attention reads it in
+//   kByte (int4): the row first rotated (kv_rows.h hadamard_rows), then an fp16 scale a group, scale = the group's
+//     value of largest magnitude / -8, value = round(x / scale) in [-8, 7], stored + 8 two a byte (element 2i the
+//     low nibble). Attention reads it in
 //     the rotated basis: the core rotates each query row on entry and each output row back (the rotation is its own
 //     inverse), so q . k and the weighted sum of v are those of the unrotated rows.
 constexpr int64_t kQuantGroup = 32;
