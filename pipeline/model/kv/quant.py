@@ -11,10 +11,10 @@ with it. The rounding is the C++ quantize_row's (kernels/kv_rows.h), bit for bit
 - int4 (torch.uint8 buffers): the row rotated first (hadamard below), then an fp16 scale a group: the group's value
   of largest magnitude / -8 (as llama.cpp's q4_0: it lands on -8 and all 16 levels are used; max |x| / 7 leaves -8
   unused and cost SmolLM2 0.053 KLD against 0.041, eagerly over three held-out domains); values in [-8, 7] stored + 8,
-  two a byte (element 2i the low nibble). The rotation spreads an outlier channel over
-  the whole head, so no group's 16 levels are spent on one value. Attention computes in the rotated basis (the C++
-  core rotates each query on entry and each output back; the rotation is orthonormal and its own inverse), which
-  keeps the projections as the checkpoint has them: a rotation folded into W_k would not commute with RoPE.
+  two a byte (element 2i the low nibble). The rotation spreads an outlier channel over the whole head, so no group's
+  16 levels are spent on one value. Attention computes in the rotated basis (the C++ core rotates each query on entry
+  and each output back; the rotation is orthonormal and its own inverse), which keeps the projections as the
+  checkpoint has them: a rotation folded into W_k would not commute with RoPE.
 """
 from __future__ import annotations
 
