@@ -100,7 +100,7 @@ def cache_bytes(program, storage: str, positions: int = 1) -> int:
     dtype = abi.KV_DTYPES[storage]
     specs, _, chunk, _ = runtime_cache_plan(program.constant, program.program.method_names)
     size = torch.empty(0, dtype=dtype).element_size()
-    return sum((min(sp.window + chunk - 1, positions) if sp.window > 0 and positions > 1 else positions) * sp.kv_heads
+    return sum((min(sp.window + chunk - 1, positions) if sp.window > 0 else positions) * sp.kv_heads
                * (row_width(dtype, sp.head_dim) + row_width(dtype, sp.v_dim)) * size for sp in specs)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import native
+from pipeline.abi import KV_DTYPES
+from pipeline.model.kv.runtime_cache import DTYPE_LABELS
 from pipeline.generation.runner import Sampler, Session, open_for_generation
 from pipeline.runtimes import CachePolicy
 from pipeline.generation.speculate import Speculation
@@ -51,7 +53,7 @@ def test_speculation_on_quantized_rows_keeps_the_plain_tokens(native_bins, make,
     spec = stats["speculation"]
     assert spec["identical"] is True and spec["drafted"] > 0, spec
     if extra:
-        assert f"kv_dtype={ {'int8': 'Int8', 'int4': 'Int4'}[extra[-1]] }" in stats["cache_report"]
+        assert f"kv_dtype={DTYPE_LABELS[KV_DTYPES[extra[-1]]]}" in stats["cache_report"]
 
 
 @pytest.mark.parametrize("make", [

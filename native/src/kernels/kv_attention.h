@@ -30,9 +30,8 @@ int element_size(int code);  // a float type's bytes; 0 otherwise
 //   kChar (int8): an fp32 scale a group, scale = max |x| / 127, value = round(x / scale) in [-127, 127].
 //   kByte (int4): the row first rotated (kv_rows.h hadamard_rows), then an fp16 scale a group, scale = the group's
 //     value of largest magnitude / -8, value = round(x / scale) in [-8, 7], stored + 8 two a byte (element 2i the
-//     low nibble). Attention reads it in
-//     the rotated basis: the core rotates each query row on entry and each output row back (the rotation is its own
-//     inverse), so q . k and the weighted sum of v are those of the unrotated rows.
+//     low nibble). Attention reads it in the rotated basis: the core rotates each query row on entry and each
+//     output row back (the rotation is its own inverse), so q . k and the weighted sum of v are the unrotated ones.
 constexpr int64_t kQuantGroup = 32;
 inline bool quantized(int code) { return code == kChar || code == kByte; }
 inline bool rotated(int code) { return code == kByte; }
