@@ -11,17 +11,22 @@ import logging
 
 import torch
 
+from transformers import AutoTokenizer
+
 from pipeline.abi import KV_DTYPES
 from pipeline.config import v
-from pipeline.backends import logits_mode as resolve_logits_mode
+from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
+from pipeline.corpus import calibration_ids, calibration_record
+from pipeline.model import archs
 from pipeline.model.cache_modes import flags, wrap
+from pipeline.model.kv import key_offset
 from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
 from pipeline.runtimes.base import run_sequence
 from pipeline.store.files import write_streaming
 
-NAME, VERSION = "wrap", 2
+NAME, VERSION = "wrap", 3
 AFTER = ("download",)
 # backend.name: export.logits_mode=auto resolves by the backend (tail only where it lowers it)
 CONFIG_KEYS = ("cache", "export.max_context_len", "export.prefill_chunk", "export.dtype", "export.logits_mode",
@@ -51,8 +56,16 @@ def run(ctx) -> dict:
     logits_mode = resolve_logits_mode(ctx.cfg)
     dtype = v(e.dtype)
     kv_dtype = ctx.cfg.cache.kv_dtype
+    centre = center_keys(ctx.cfg, archs.of_model(model))
+    means = {}
+    if centre:
+        with spinner("mean keys over the calibration corpus", ctx.progress):
+            means = key_offset.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir),
+                                                              key_offset.TOKENS_PER_DOMAIN,
+                                                              key_offset.TOKENS_PER_DOMAIN))
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
                   KV_DTYPES[v(kv_dtype)] if kv_dtype is not None else None, tail_rows=e.tail_rows)
+    key_offset.install(means, next(model.parameters()).dtype)
     with spinner("self-check against HF forward", ctx.progress):
         check = compare(module, ids, kept, prefill, e.prefill_chunk)
     # K/V storage (cache.kv_dtype) rounds as its own dtype does
@@ -69,9 +82,22 @@ def run(ctx) -> dict:
         "dtype": dtype, "logits_mode": logits_mode, "tail_rows": e.tail_rows, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
         "vocab_size": g.vocab_size, "arch": g.arch, "rewrites": rewritten, "self_check": check,
+        "center_keys": centre,
     }
     (ctx.out / "wrap.json").write_text(json.dumps(spec, indent=2))
-    return {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"]}
+    metrics = {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"],
+               "center_keys": centre}
+    if centre:  # what the mean keys were measured on, by hash
+        metrics["calibration_files"] = calibration_record()
+    return metrics
+
+
+def center_keys(cfg, arch) -> bool:
+    """cache.center_keys, resolved for this build (pipeline/model/kv/key_offset.py)."""
+    got = flags(cfg.cache)
+    return key_offset.wanted(cfg.cache.center_keys, v(cfg.cache.mode), got["custom_sdpa"] and got["custom_kv_cache"],
+                             v(cfg.cache.kv_dtype) if cfg.cache.kv_dtype is not None else None,
+                             "int4" in BACKENDS[cfg.backend.name].KV_STORAGES, arch)
 
 
 @torch.no_grad()
