@@ -192,11 +192,12 @@ class CacheConfig:
     # bytes attention reads per token, int8 rows (a scale per 32 values) nearly quarter them, rotated int4 rows take
     # 28 % of fp16's; off-graph programs choose theirs at run time (verify.runtime.kv_storage_dtype)
     kv_dtype: Optional[KvDType] = None
-    # subtract each layer's mean key (per KV head, after RoPE; measured on the calibration corpus at wrap) before the
-    # cache stores it: the softmax is unchanged, int4 rows lose the shared offset that sets their scales
-    # (pipeline/model/kv/key_offset.py). null: where K may be stored in int4 (cache.kv_dtype=int4, and off-graph
+    # store (k - m) * a and attend with q / a: m each layer's mean key per KV head (after RoPE), a a power-of-two scale
+    # per channel weighing it by the queries' energy, both measured on the calibration corpus at wrap. The scores
+    # move by a constant per query (softmax unchanged); int4 rows round where the queries read least
+    # (pipeline/model/kv/key_calibration.py). null: where K may be stored in int4 (cache.kv_dtype=int4, and off-graph
     # programs on backends whose runtimes store int4); custom (both flags) and offgraph only, no sink logits
-    center_keys: Optional[bool] = None
+    calibrate_keys: Optional[bool] = None
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pipeline.ops import isa_problem
 from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
-from pipeline.model.kv import key_offset
+from pipeline.model.kv import key_calibration
 from pipeline.model.archs import ROLES, UnsupportedArch
 from pipeline.model.quant import resolve
 from pipeline.store.backends import redacted, url_problem
@@ -191,11 +191,11 @@ def cache_problems(cfg) -> Problems:
         why = CACHE_MODES[mode].kv_dtype_refused(got) or BACKENDS[cfg.backend.name].refuses_kv_dtype()
         if why:
             return [("cache.kv_dtype", v(kv_dtype), f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
-    if cfg.cache.center_keys:
-        why = key_offset.unsupported(mode, got["custom_sdpa"] and got["custom_kv_cache"],
+    if cfg.cache.calibrate_keys:
+        why = key_calibration.unsupported(mode, got["custom_sdpa"] and got["custom_kv_cache"],
                                      "int4" in BACKENDS[cfg.backend.name].KV_STORAGES)
         if why:
-            return [("cache.center_keys", True, f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
+            return [("cache.calibrate_keys", True, f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
     return []
 
 
@@ -333,8 +333,8 @@ def arch_problems(cfg, g: Geometry) -> Problems:
     why = CACHE_MODES[cfg.cache.mode].refuses_arch(arch, flags(cfg.cache))
     if why:
         out.append(("cache.mode", v(cfg.cache.mode), f"cannot build {name}: {why}"))
-    if cfg.cache.center_keys and key_offset.refused(arch):
-        out.append(("cache.center_keys", True, f"{name}: {key_offset.refused(arch)}"))
+    if cfg.cache.calibrate_keys and key_calibration.refused(arch):
+        out.append(("cache.calibrate_keys", True, f"{name}: {key_calibration.refused(arch)}"))
     if arch.experts is not None and v(cfg.export.dtype) != "fp32":
         out.append(("export.dtype", v(cfg.export.dtype), f"{name}: the experts' kernel (llmpipe::experts) computes "
                     "in fp32: allowed ['fp32']"))

@@ -19,7 +19,7 @@ from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
 from pipeline.corpus import calibration_ids, calibration_record
 from pipeline.model import archs
 from pipeline.model.cache_modes import flags, wrap
-from pipeline.model.kv import key_offset
+from pipeline.model.kv import key_calibration
 from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
@@ -56,16 +56,15 @@ def run(ctx) -> dict:
     logits_mode = resolve_logits_mode(ctx.cfg)
     dtype = v(e.dtype)
     kv_dtype = ctx.cfg.cache.kv_dtype
-    centre = center_keys(ctx.cfg, archs.of_model(model))
-    means = {}
-    if centre:
-        with spinner("mean keys over the calibration corpus", ctx.progress):
-            means = key_offset.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir),
-                                                              key_offset.TOKENS_PER_DOMAIN,
-                                                              key_offset.TOKENS_PER_DOMAIN))
+    calibrated = calibrate_keys(ctx.cfg, archs.of_model(model))
+    stats = {}
+    if calibrated:
+        with spinner("key statistics over the calibration corpus", ctx.progress):
+            n = key_calibration.TOKENS_PER_DOMAIN
+            stats = key_calibration.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir), n, n))
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
                   KV_DTYPES[v(kv_dtype)] if kv_dtype is not None else None, tail_rows=e.tail_rows)
-    key_offset.install(means, next(model.parameters()).dtype)
+    key_calibration.install(stats, next(model.parameters()).dtype)
     with spinner("self-check against HF forward", ctx.progress):
         check = compare(module, ids, kept, prefill, e.prefill_chunk)
     # K/V storage (cache.kv_dtype) rounds as its own dtype does
@@ -82,22 +81,23 @@ def run(ctx) -> dict:
         "dtype": dtype, "logits_mode": logits_mode, "tail_rows": e.tail_rows, "layer_types": g.layer_types,
         "sliding_window": g.sliding_window, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
         "vocab_size": g.vocab_size, "arch": g.arch, "rewrites": rewritten, "self_check": check,
-        "center_keys": centre,
+        "calibrate_keys": calibrated,
     }
     (ctx.out / "wrap.json").write_text(json.dumps(spec, indent=2))
     metrics = {"self_check_max_abs_err": check["max_abs_err"], "self_check_tokens": check["tokens"],
-               "center_keys": centre}
-    if centre:  # what the mean keys were measured on, by hash
+               "calibrate_keys": calibrated}
+    if calibrated:  # what the key transform was measured on, by hash
         metrics["calibration_files"] = calibration_record()
     return metrics
 
 
-def center_keys(cfg, arch) -> bool:
-    """cache.center_keys, resolved for this build (pipeline/model/kv/key_offset.py)."""
-    got = flags(cfg.cache)
-    return key_offset.wanted(cfg.cache.center_keys, v(cfg.cache.mode), got["custom_sdpa"] and got["custom_kv_cache"],
-                             v(cfg.cache.kv_dtype) if cfg.cache.kv_dtype is not None else None,
-                             "int4" in BACKENDS[cfg.backend.name].KV_STORAGES, arch)
+def calibrate_keys(cfg, arch) -> bool:
+    """cache.calibrate_keys, resolved for this build (pipeline/model/kv/key_calibration.py)."""
+    got, kv_dtype = flags(cfg.cache), cfg.cache.kv_dtype
+    return key_calibration.wanted(cfg.cache.calibrate_keys, v(cfg.cache.mode),
+                                  got["custom_sdpa"] and got["custom_kv_cache"],
+                                  v(kv_dtype) if kv_dtype is not None else None,
+                                  "int4" in BACKENDS[cfg.backend.name].KV_STORAGES, arch)
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered,
                                              define_op, kv_source, link_kv_sources, query_positions, sinks_arg,
                                              step_args)
 from pipeline.model.layers import recurrent
-from pipeline.model.kv.key_offset import centred
+from pipeline.model.kv.key_calibration import keys_in, queries_in
 from pipeline.model.kv.layout import cache_layout, ring_runs, ring_slots
 from pipeline.model.kv.quant import decode, encode, row_width, stored_dim
 
@@ -169,11 +169,14 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     src = kv_source(module)
     if src is not module:
         # a KV-shared layer: its source wrote this step; HF may keep only the step's last rows for it
-        out = torch.ops.llmpipe.cached_attend(query, src.k_cache, src.v_cache, query_positions(positions, query),
-                                              src.kv_window, scaling, sinks_arg(kwargs))
+        out = torch.ops.llmpipe.cached_attend(queries_in(module, query), src.k_cache, src.v_cache,
+                                              query_positions(positions, query), src.kv_window, scaling,
+                                              sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    out = torch.ops.llmpipe.cached_attention(query, centred(module, key), value, module.k_cache, module.v_cache,
-                                             positions.reshape(-1), module.kv_window, scaling, sinks_arg(kwargs))
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline/model/kv/key_calibration.py)
+    out = torch.ops.llmpipe.cached_attention(queries_in(module, query), keys_in(module, key), value, module.k_cache,
+                                             module.v_cache, positions.reshape(-1), module.kv_window, scaling,
+                                             sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 

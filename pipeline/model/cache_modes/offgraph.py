@@ -30,8 +30,8 @@ from torch import nn
 
 from pipeline.model.layers import recurrent
 from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step,
-                                             define_op, sinks_arg, step_args)
-from pipeline.model.kv.key_offset import centred
+                                             define_op, link_kv_sources, sinks_arg, step_args)
+from pipeline.model.kv.key_calibration import keys_in, queries_in
 from pipeline.model.kv.layout import cache_layout
 from pipeline.model.kv.runtime_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)
@@ -163,11 +163,12 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
     if getattr(module, "_offgraph_readonly", False):
         # a KV-shared layer: key/value are its source's, already in the cache; HF may have kept only the
         # last rows of the step for it (logits_to_keep), so its queries sit at the step's last positions
-        out = torch.ops.llmpipe.attend_cached(query, positions.reshape(-1)[-query.shape[2]:], cache_id,
-                                              scaling, query.dtype, sinks_arg(kwargs))
+        out = torch.ops.llmpipe.attend_cached(queries_in(module, query), positions.reshape(-1)[-query.shape[2]:],
+                                              cache_id, scaling, query.dtype, sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    out = torch.ops.llmpipe.update_and_attend(query, centred(module, key), value, positions.reshape(-1), cache_id,
-                                              scaling, query.dtype, sinks_arg(kwargs))
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline/model/kv/key_calibration.py)
+    out = torch.ops.llmpipe.update_and_attend(queries_in(module, query), keys_in(module, key), value,
+                                              positions.reshape(-1), cache_id, scaling, query.dtype, sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -187,9 +188,11 @@ class OffgraphLM(HookedAttentionLM):
                  initial_capacity: int = DEFAULT_INITIAL_CAPACITY, kv_dtype: Optional[torch.dtype] = None):
         super().__init__(model, logits_mode, ATTN_IMPL, _offgraph_attention)
         self.layout = cache_layout(model.config.get_text_config(), windows)
-        for m in attention_layers(model):
+        layers = attention_layers(model)
+        for m in layers:
             m._offgraph_cache_id = self.layout.layer_cache[m.layer_idx]
             m._offgraph_readonly = self.layout.is_readonly(m.layer_idx)
+        link_kv_sources(layers, self.layout)  # a KV-shared layer's queries take its source's key transform
         dtype = kv_dtype or next(model.parameters()).dtype
         self.cache = OffgraphCache(self.layout.specs, max_context_len, prefill_chunk or max_context_len,
                                    initial_capacity, dtype)
