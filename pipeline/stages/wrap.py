@@ -61,7 +61,8 @@ def run(ctx) -> dict:
     if calibrated:
         with spinner("key statistics over the calibration corpus", ctx.progress):
             n = key_calibration.TOKENS_PER_DOMAIN
-            stats = key_calibration.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir), n, n))
+            stats = key_calibration.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir), n, n),
+                                            e.max_context_len)
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
                   KV_DTYPES[v(kv_dtype)] if kv_dtype is not None else None, tail_rows=e.tail_rows)
     key_calibration.install(stats, next(model.parameters()).dtype)

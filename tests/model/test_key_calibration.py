@@ -43,8 +43,8 @@ def wrapped_error(model, mode: str, storage: str, calibrated: bool) -> float:
         ids, kept, prefill = hf_reference(model, CONTEXT, chunk, g.sliding_window, g.vocab_size)
         make_exportable(model)
         gen = torch.Generator().manual_seed(2)
-        stats = key_calibration.measure(model, [torch.randint(3, g.vocab_size, (48,), generator=gen).tolist()
-                                                for _ in range(4)]) if calibrated else {}
+        stats = key_calibration.measure(model, [torch.randint(3, g.vocab_size, (24,), generator=gen).tolist()
+                                                for _ in range(4)], CONTEXT) if calibrated else {}
         dtype = abi.KV_DTYPES[storage]
         module = wrap(model, mode, CONTEXT, "last", chunk, kv_dtype=dtype if mode == "custom" else None)
         if mode == "offgraph":  # the runtime picks the storage, as verify's eager reference does

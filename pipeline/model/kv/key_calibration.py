@@ -26,7 +26,9 @@ from pipeline.model.layers.attention import attention_layers, kv_source
 
 MEASURE_IMPL = "llmpipe_key_statistics"
 TOKENS_PER_DOMAIN = 512  # the calibration corpus's first 512 tokens of each domain, one sequence each
-SCALE_RANGE = 64.0       # a channel's scale within [1/64, 64] of the row's RMS: a channel of no variance stays finite
+# a channel's scale within [1/8, 8] of the row's RMS (a^4 spans a ratio of 4096 in E[q^2] / Var[k]): a channel of
+# next to no variance in the calibration text does not take the row's range where a user's text moves it
+SCALE_RANGE = 8.0
 
 
 def refused(arch) -> str | None:
@@ -70,9 +72,12 @@ def queries_in(module: nn.Module, query: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def measure(model: nn.Module, sequences: list[list[int]]) -> dict[nn.Module, dict]:
+def measure(model: nn.Module, sequences: list[list[int]], context: int | None = None) -> dict[nn.Module, dict]:
     """Per attention module, over HF's own uncached forward of `sequences` (fp64 sums): its keys' sum and sum of
-    squares [Hkv, D], its queries' sum of squares per KV head's group [Hkv, D], the count, and the group size."""
+    squares [Hkv, D], its queries' sum of squares per KV head's group [Hkv, D], the count, and the group size.
+
+    RoPE turns a key by its position, so a mean key over positions 0..n is not the mean over a session's: the
+    sequences are placed at positions spread over [0, context) (their position_ids start there), one after another."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     layers = attention_layers(model)
@@ -90,8 +95,10 @@ def measure(model: nn.Module, sequences: list[list[int]]) -> dict[nn.Module, dic
 
     AttentionInterface.register(MEASURE_IMPL, record)
     with _attention(layers, MEASURE_IMPL):
-        for ids in sequences:
-            model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
+        for i, ids in enumerate(sequences):
+            start = (max(context - len(ids), 0) * i) // max(len(sequences) - 1, 1) if context else 0
+            model(input_ids=torch.tensor([ids]), position_ids=torch.arange(start, start + len(ids))[None],
+                  use_cache=False, logits_to_keep=1)
     return {m: sums[id(m)] for m in layers if id(m) in sums}
 
 
