@@ -193,7 +193,7 @@ def cache_problems(cfg) -> Problems:
             return [("cache.kv_dtype", v(kv_dtype), f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
     if cfg.cache.calibrate_keys:
         why = key_calibration.unsupported(mode, got["custom_sdpa"] and got["custom_kv_cache"],
-                                     "int4" in BACKENDS[cfg.backend.name].KV_STORAGES)
+                                          "int4" in BACKENDS[cfg.backend.name].KV_STORAGES)
         if why:
             return [("cache.calibrate_keys", True, f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
     return []

@@ -10,7 +10,6 @@ import json
 import logging
 
 import torch
-
 from transformers import AutoTokenizer
 
 from pipeline.abi import KV_DTYPES
@@ -60,7 +59,7 @@ def run(ctx) -> dict:
     stats = {}
     if calibrated:
         with spinner("key statistics over the calibration corpus", ctx.progress):
-            n = key_calibration.TOKENS_PER_DOMAIN
+            n = min(key_calibration.TOKENS_PER_DOMAIN, e.max_context_len)  # every position within the context
             stats = key_calibration.measure(model, calibration_ids(AutoTokenizer.from_pretrained(model_dir), n, n),
                                             e.max_context_len)
     module = wrap(model, mode, e.max_context_len, logits_mode, e.prefill_chunk, flags(ctx.cfg.cache),
