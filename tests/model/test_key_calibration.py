@@ -76,9 +76,9 @@ def test_the_transform_keeps_every_score_up_to_its_querys_constant():
     mean, a = key_calibration.transform(stats, [stats])
     assert torch.equal(torch.exp2(torch.log2(a).round()), a) and a.min() > 0  # powers of two
     m = torch.nn.Module()
-    m.register_buffer("k_mean", mean)
-    m.register_buffer("k_mul", a)
-    m.register_buffer("q_mul", (1 / a).repeat_interleave(3, 0))
+    m.register_buffer("k_mean", mean[:, None])
+    m.register_buffer("k_mul", a[:, None])
+    m.register_buffer("q_mul", (1 / a).repeat_interleave(3, 0)[:, None])
     q, k = torch.randn(1, 6, 5, 16, generator=gen), torch.randn(1, 2, 7, 16, generator=gen) * 10 + mean[None, :, None]
     got = key_calibration.queries_in(m, q) @ key_calibration.keys_in(m, k).repeat_interleave(3, 1).transpose(-1, -2)
     want = q @ (k - mean[None, :, None]).repeat_interleave(3, 1).transpose(-1, -2)

@@ -62,13 +62,13 @@ def keys_in(module: nn.Module, key: torch.Tensor) -> torch.Tensor:
     mean = getattr(module, "k_mean", None)
     if mean is None:
         return key
-    return (key - mean.unsqueeze(1).to(key.dtype)) * module.k_mul.unsqueeze(1).to(key.dtype)
+    return (key - mean.to(key.dtype)) * module.k_mul.to(key.dtype)
 
 
 def queries_in(module: nn.Module, query: torch.Tensor) -> torch.Tensor:
     """What attention takes of query [B, Hq, T, D]: query / a of the cache it reads, when it has one."""
     mul = getattr(module, "q_mul", None)
-    return query if mul is None else query * mul.unsqueeze(1).to(query.dtype)
+    return query if mul is None else query * mul.to(query.dtype)
 
 
 @torch.no_grad()
@@ -132,13 +132,15 @@ def transform(stats: dict, readers: list[dict]) -> tuple[torch.Tensor, torch.Ten
 
 def install(stats: dict[nn.Module, dict], dtype: torch.dtype) -> None:
     """Buffers on the wrapped model's attention modules, in the activation dtype: a cache's writer gets k_mean and
-    k_mul [Hkv, D]; every module gets q_mul [Hq, D], 1 / a of the cache it reads (a KV-shared layer: its source's)."""
+    k_mul [Hkv, 1, D]; every module gets q_mul [Hq, 1, D], 1 / a of the cache it reads (a KV-shared layer: its
+    source's). Shaped to broadcast over [B, H, T, D] as they are: no reshape op in the program."""
     owners: dict[nn.Module, list[nn.Module]] = {}
     for m in stats:
         owners.setdefault(kv_source(m), []).append(m)
     for owner, readers in owners.items():
         mean, a = transform(stats[owner], [stats[r] for r in readers])
-        owner.register_buffer("k_mean", mean.to(dtype), persistent=False)
-        owner.register_buffer("k_mul", a.to(dtype), persistent=False)
+        owner.register_buffer("k_mean", mean.unsqueeze(1).to(dtype), persistent=False)
+        owner.register_buffer("k_mul", a.unsqueeze(1).to(dtype), persistent=False)
         for r in readers:
-            r.register_buffer("q_mul", (1 / a).repeat_interleave(stats[r]["group"], 0).to(dtype), persistent=False)
+            q_mul = (1 / a).repeat_interleave(stats[r]["group"], 0).unsqueeze(1)
+            r.register_buffer("q_mul", q_mul.to(dtype), persistent=False)
