@@ -11,9 +11,9 @@ How:
 - Every row of a model runs one off-graph program (the runtime picks the storage per run: verify.runtime's
   kv_storage_dtype, the runners' --kv-storage-dtype), at max context 2112. Fidelity runs the float weights
   (quantize=none), so a row's KLD is its K/V storage's alone (and the float program's numerics, the fp32 row); speed
-  runs the default quantization's weights. The programs centre their keys (cache.center_keys, on by default off-graph:
-  each layer's mean key over the calibration corpus subtracted before the cache stores it), which moves int4 rows
-  and leaves the float storages as they were.
+  runs the default quantization's weights. The programs calibrate their keys (cache.calibrate_keys, on by default
+  off-graph: the cache stores (k - m) * a, attention takes q / a, both measured on the calibration corpus), which
+  moves the quantized rows and leaves the float storages as they were.
 - Texts: the first --texts chunks of 2112 tokens of each held-out domain (bench/corpus). Each is teacher-forced
   through the program in the Python runtime: prefilled in chunks up to 64 positions before a depth, then those 64 one
   token at a time, as a decode runs. KLD and same top-1 of the 64 next-token distributions against the HF float
