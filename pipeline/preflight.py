@@ -24,7 +24,7 @@ from pipeline.ops import isa_problem
 from pipeline.model import sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
-from pipeline.model.kv import key_calibration
+from pipeline.model.layers import key_calibration
 from pipeline.model.archs import ROLES, UnsupportedArch
 from pipeline.model.quant import resolve
 from pipeline.store.backends import redacted, url_problem
@@ -192,7 +192,8 @@ def cache_problems(cfg) -> Problems:
         if why:
             return [("cache.kv_dtype", v(kv_dtype), f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]
     if cfg.cache.calibrate_keys:
-        why = key_calibration.unsupported(mode, got["custom_sdpa"] and got["custom_kv_cache"],
+        m = CACHE_MODES[mode]
+        why = key_calibration.unsupported(m.RUNTIME_OWNED or m.kv_dtype_refused(got) is None,
                                           "int4" in BACKENDS[cfg.backend.name].KV_STORAGES)
         if why:
             return [("cache.calibrate_keys", True, f"cache.mode={mode}, backend={v(cfg.backend.name)}: {why}")]

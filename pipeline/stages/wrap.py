@@ -17,8 +17,8 @@ from pipeline.config import v
 from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
 from pipeline.corpus import calibration_ids, calibration_record
 from pipeline.model import archs
-from pipeline.model.cache_modes import flags, wrap
-from pipeline.model.kv import key_calibration
+from pipeline.model.cache_modes import CACHE_MODES, flags, wrap
+from pipeline.model.layers import key_calibration
 from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
@@ -92,11 +92,10 @@ def run(ctx) -> dict:
 
 
 def calibrate_keys(cfg, arch) -> bool:
-    """cache.calibrate_keys, resolved for this build (pipeline/model/kv/key_calibration.py)."""
-    got, kv_dtype = flags(cfg.cache), cfg.cache.kv_dtype
-    return key_calibration.wanted(cfg.cache.calibrate_keys, v(cfg.cache.mode),
-                                  got["custom_sdpa"] and got["custom_kv_cache"],
-                                  v(kv_dtype) if kv_dtype is not None else None,
+    """cache.calibrate_keys, resolved for this build (pipeline.model.layers.key_calibration.py)."""
+    m, kv_dtype = CACHE_MODES[cfg.cache.mode], cfg.cache.kv_dtype
+    fused_op = m.RUNTIME_OWNED or m.kv_dtype_refused(flags(cfg.cache)) is None
+    return key_calibration.wanted(cfg.cache.calibrate_keys, fused_op, m.RUNTIME_OWNED, v(kv_dtype) if kv_dtype is not None else None,
                                   "int4" in BACKENDS[cfg.backend.name].KV_STORAGES, arch)
 
 

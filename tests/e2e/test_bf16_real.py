@@ -38,4 +38,9 @@ def test_a_real_bf16_build_verifies_with_its_matmuls_delegated(name):
     report = json.loads((stage_path(m, "verify") / "report.json").read_text())
     assert report["passed"]
     france = report["prompts"][0]
-    assert "capital of France" in france["prompt"] and "Paris" in france["pte_text"]
+    assert "capital of France" in france["prompt"]
+    if "Paris" in france["reference_text"]:
+        assert "Paris" in france["pte_text"]
+    else:  # 8da4w at bf16 moved the eager model itself off the answer (gemma3: KLD ~0.47 against float, where "Paris"
+        # came and went with rounding): the program answers as its reference does, word for word at first
+        assert france["pte_text"][:20] == france["reference_text"][:20], (france["pte_text"], france["reference_text"])

@@ -1,4 +1,4 @@
-"""Calibrated keys (cache.calibrate_keys, pipeline/model/kv/key_calibration.py): the cache storing (k - m) * a and
+"""Calibrated keys (cache.calibrate_keys, pipeline.model.layers.key_calibration.py): the cache storing (k - m) * a and
 attention taking q / a leaves the function as it was at float storage (KV-shared layers included), and brings int4
 rows closer to HF's float forward when the keys share a large offset; where it is on by default, and the builds that
 refuse it."""
@@ -12,7 +12,7 @@ from pipeline.errors import ConfigError
 from pipeline.model import archs
 from pipeline.model.cache_modes import wrap
 from pipeline.model.geometry import from_config
-from pipeline.model.kv import key_calibration
+from pipeline.model.layers import key_calibration
 from pipeline.model.layers.exportable import make_exportable
 from pipeline.stages.wrap import calibrate_keys, compare, hf_reference
 from tests.helpers import compose_cfg

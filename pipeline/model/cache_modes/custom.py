@@ -32,7 +32,7 @@ from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered,
                                              define_op, kv_source, link_kv_sources, query_positions, sinks_arg,
                                              step_args)
 from pipeline.model.layers import recurrent
-from pipeline.model.kv.key_calibration import keys_in, queries_in
+from pipeline.model.layers.key_calibration import keys_in, queries_in
 from pipeline.model.kv.layout import cache_layout, ring_runs, ring_slots
 from pipeline.model.kv.quant import decode, encode, row_width, stored_dim
 
@@ -173,7 +173,7 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                               query_positions(positions, query), src.kv_window, scaling,
                                               sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline/model/kv/key_calibration.py)
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline.model.layers.key_calibration.py)
     out = torch.ops.llmpipe.cached_attention(queries_in(module, query), keys_in(module, key), value, module.k_cache,
                                              module.v_cache, positions.reshape(-1), module.kv_window, scaling,
                                              sinks_arg(kwargs))

@@ -31,7 +31,7 @@ from torch import nn
 from pipeline.model.layers import recurrent
 from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, check_step,
                                              define_op, link_kv_sources, sinks_arg, step_args)
-from pipeline.model.kv.key_calibration import keys_in, queries_in
+from pipeline.model.layers.key_calibration import keys_in, queries_in
 from pipeline.model.kv.layout import cache_layout
 from pipeline.model.kv.runtime_cache import (DEFAULT_INITIAL_CAPACITY, OffgraphCache, OffgraphCacheError,
                                            bound_cache, run_step)
@@ -166,7 +166,7 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
         out = torch.ops.llmpipe.attend_cached(queries_in(module, query), positions.reshape(-1)[-query.shape[2]:],
                                               cache_id, scaling, query.dtype, sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline/model/kv/key_calibration.py)
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline.model.layers.key_calibration.py)
     out = torch.ops.llmpipe.update_and_attend(queries_in(module, query), keys_in(module, key), value,
                                               positions.reshape(-1), cache_id, scaling, query.dtype, sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None

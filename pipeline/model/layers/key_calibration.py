@@ -38,9 +38,10 @@ def refused(arch) -> str | None:
     return None
 
 
-def unsupported(mode: str, fused: bool, int4_storage: bool) -> str | None:
-    """Why a build cannot calibrate its keys (int4_storage: its backend's caches store int4 rows), or None."""
-    if not (mode == "offgraph" or (mode == "custom" and fused)):
+def unsupported(fused_op: bool, int4_storage: bool) -> str | None:
+    """Why a build cannot calibrate its keys (fused_op: its cache mode writes K/V through our fused ops, the in-graph
+    one or the runtime-owned one; int4_storage: its backend's caches store int4 rows), or None."""
+    if not fused_op:
         return ("our fused attention ops' callers transform the keys: cache.mode=custom with both custom flags, or "
                 "offgraph")
     if not int4_storage:
@@ -48,13 +49,15 @@ def unsupported(mode: str, fused: bool, int4_storage: bool) -> str | None:
     return None
 
 
-def wanted(asked: bool | None, mode: str, fused: bool, kv_dtype: str | None, int4_storage: bool, arch) -> bool:
-    """cache.calibrate_keys resolved: as asked, else on where K may be stored as int4 rows."""
+def wanted(asked: bool | None, fused_op: bool, runtime_owned: bool, kv_dtype: str | None, int4_storage: bool,
+           arch) -> bool:
+    """cache.calibrate_keys resolved: as asked, else on where K may be stored as int4 rows (a runtime-owned cache's
+    storage is the runtime's choice)."""
     if asked is not None:
         return asked
-    if refused(arch) or unsupported(mode, fused, int4_storage):
+    if refused(arch) or unsupported(fused_op, int4_storage):
         return False
-    return mode == "offgraph" or kv_dtype == "int4"
+    return runtime_owned or kv_dtype == "int4"
 
 
 def keys_in(module: nn.Module, key: torch.Tensor) -> torch.Tensor:
