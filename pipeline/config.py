@@ -195,8 +195,8 @@ class CacheConfig:
     # store (k - m) * a and attend with q / a: m each layer's mean key per KV head (after RoPE), a a power-of-two scale
     # per channel weighing it by the queries' energy, both measured on the calibration corpus at wrap. The scores
     # move by a constant per query (softmax unchanged); int4 rows round where the queries read least
-    # (pipeline.model.layers.key_calibration.py). null: where K may be stored in int4 (cache.kv_dtype=int4, and off-graph
-    # programs on backends whose runtimes store int4); custom (both flags) and offgraph only, no sink logits
+    # (pipeline/model/layers/key_calibration.py). null: where K may be stored in int4 (cache.kv_dtype=int4, and
+    # off-graph programs on backends whose runtimes store int4); custom (both flags) and offgraph only, no sink logits
     calibrate_keys: Optional[bool] = None
 
 

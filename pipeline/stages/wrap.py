@@ -92,7 +92,7 @@ def run(ctx) -> dict:
 
 
 def calibrate_keys(cfg, arch) -> bool:
-    """cache.calibrate_keys, resolved for this build (pipeline.model.layers.key_calibration.py)."""
+    """cache.calibrate_keys, resolved for this build (pipeline/model/layers/key_calibration.py)."""
     m, kv_dtype = CACHE_MODES[cfg.cache.mode], cfg.cache.kv_dtype
     fused_op = m.RUNTIME_OWNED or m.kv_dtype_refused(flags(cfg.cache)) is None
     return key_calibration.wanted(cfg.cache.calibrate_keys, fused_op, m.RUNTIME_OWNED, v(kv_dtype) if kv_dtype is not None else None,

@@ -1,4 +1,4 @@
-"""Calibrated keys (cache.calibrate_keys, pipeline.model.layers.key_calibration.py): the cache storing (k - m) * a and
+"""Calibrated keys (cache.calibrate_keys, pipeline/model/layers/key_calibration.py): the cache storing (k - m) * a and
 attention taking q / a leaves the function as it was at float storage (KV-shared layers included), and brings int4
 rows closer to HF's float forward when the keys share a large offset; where it is on by default, and the builds that
 refuse it."""

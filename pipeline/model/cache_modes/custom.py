@@ -173,7 +173,8 @@ def _custom_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                               query_positions(positions, query), src.kv_window, scaling,
                                               sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline.model.layers.key_calibration.py)
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a
+    # (pipeline/model/layers/key_calibration.py)
     out = torch.ops.llmpipe.cached_attention(queries_in(module, query), keys_in(module, key), value, module.k_cache,
                                              module.v_cache, positions.reshape(-1), module.kv_window, scaling,
                                              sinks_arg(kwargs))

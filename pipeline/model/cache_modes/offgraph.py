@@ -166,7 +166,8 @@ def _offgraph_attention(module, query, key, value, attention_mask, dropout=0.0, 
         out = torch.ops.llmpipe.attend_cached(queries_in(module, query), positions.reshape(-1)[-query.shape[2]:],
                                               cache_id, scaling, query.dtype, sinks_arg(kwargs))
         return out.transpose(1, 2).contiguous(), None
-    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a (pipeline.model.layers.key_calibration.py)
+    # a calibrated build's cache holds (k - m) * a, its queries enter as q / a
+    # (pipeline/model/layers/key_calibration.py)
     out = torch.ops.llmpipe.update_and_attend(queries_in(module, query), keys_in(module, key), value,
                                               positions.reshape(-1), cache_id, scaling, query.dtype, sinks_arg(kwargs))
     return out.transpose(1, 2).contiguous(), None
