@@ -54,10 +54,13 @@ def layout(a: Arch) -> str:
         parts.append(f"q/k norm ({at.qk_norm})")
     if at.v_norm:
         parts.append("v norm")
+    if not a.mlp.gate and not a.mlp.gate_up:
+        parts.append("ungated MLP")
     if a.norms.placement != "pre" or a.norms.kind != "rms":
         parts.append(f"{a.norms.placement} {'LayerNorm' if a.norms.kind == 'layer' else 'norms'}")
     if a.experts is not None:
         shared = ", shared expert" if a.experts.shared else ""
+        shared += ", float linear router" if a.experts.router_linear else ""
         parts.append(f"MoE ({a.experts.activation.replace('_', ' ')}{shared})")
     if at.sinks:
         parts.append("attention sinks")

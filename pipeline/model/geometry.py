@@ -151,14 +151,17 @@ class Geometry:
             shapes = {"gate": (w, h), "up": (w, h), "down": (h, w)}
             out = {f"{p}{a.experts.bank}.{e}.{name}": (*shapes[role], role)
                    for e in range(self.num_experts) for role, name in archs.EXPERT_LINEARS.items()}
-            if a.experts.shared:
+            if a.experts.router_linear:
+                out[f"{p}{a.experts.router}.{a.experts.router_linear}"] = (self.num_experts, h, "router")
+            if a.experts.shared and self.shared_expert_width:  # ERNIE 4.5 may have none
                 s, sw = f"{p}{a.experts.shared}.", self.shared_expert_width
-                out.update({s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up"), s + m.down: (h, sw, "down"),
-                            p + a.experts.shared_gate: (1, h, "shared_gate")})
+                out.update({s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up"), s + m.down: (h, sw, "down")})
+                if a.experts.shared_gate:
+                    out[p + a.experts.shared_gate] = (1, h, "shared_gate")
             return out
         width = self.intermediate_size * (2 if i in self.wide_mlp_layers else 1)
         ins = {p + m.gate_up: (2 * width, h, "gate_up")} if m.gate_up else \
-            {p + m.gate: (width, h, "gate"), p + m.up: (width, h, "up")}
+            {p + m.gate: (width, h, "gate"), p + m.up: (width, h, "up")} if m.gate else {p + m.up: (width, h, "up")}
         return {**ins, p + m.down: (h, width, "down")}
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
@@ -186,7 +189,10 @@ class Geometry:
                    for i in range(self.num_layers) for name, shape in self.state_shapes(i).items())
 
     def router_parameters(self) -> int:
-        """The MoE routers' weights (kept in float, not linears of the model)."""
+        """The MoE routers' weights (kept in float; those held as linears are counted with the linears)."""
+        experts = archs.lookup(self.arch).experts
+        if experts is None or experts.router_linear:
+            return 0
         return sum(self.num_experts * (self.hidden_size + 1) for i in range(self.num_layers) if self.has_experts(i))
 
     def linears(self) -> dict[str, int]:
@@ -256,7 +262,8 @@ def from_config(config) -> Geometry:
         x = a.experts
         extra.update(num_experts=getattr(config, x.count_key), experts_per_token=getattr(config, x.top_k_key),
                      expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)),
-                     shared_expert_width=getattr(config, x.shared_width_key) if x.shared else 0)
+                     shared_expert_width=(x.shared_width(config) if x.shared_width else getattr(config, x.shared_width_key))
+                     if x.shared else 0)
     if a.gated_delta is not None:
         d = a.gated_delta
         extra.update(delta_key_heads=getattr(config, d.key_heads_key),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import NamedTuple
 
 import torch
 from transformers import AutoTokenizer
@@ -18,7 +19,7 @@ from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
 from pipeline.corpus import calibration_ids, calibration_record
 from pipeline.model import archs
 from pipeline.model.cache_modes import CACHE_MODES, flags, wrap
-from pipeline.model.layers import key_calibration
+from pipeline.model.layers import key_calibration, routing_replay
 from pipeline.model.layers.exportable import make_exportable
 from pipeline.model.loading import load_hf_model
 from pipeline.report.progress import spinner
@@ -49,7 +50,7 @@ def run(ctx) -> dict:
     with spinner("load model", ctx.progress):
         model = load_hf_model(model_dir, v(e.dtype))
     with spinner("HF forward (the self-check's reference)", ctx.progress):
-        ids, kept, prefill = hf_reference(model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
+        reference = hf_reference(model, e.max_context_len, e.prefill_chunk, g.sliding_window, g.vocab_size)
     rewritten = make_exportable(model)  # after HF's own forward gave the reference: the check covers the rewrites
     mode = v(ctx.cfg.cache.mode)
     logits_mode = resolve_logits_mode(ctx.cfg)
@@ -66,7 +67,7 @@ def run(ctx) -> dict:
                   KV_DTYPES[v(kv_dtype)] if kv_dtype is not None else None, tail_rows=e.tail_rows)
     key_calibration.install(stats, next(model.parameters()).dtype)
     with spinner("self-check against HF forward", ctx.progress):
-        check = compare(module, ids, kept, prefill, e.prefill_chunk)
+        check = compare(module, reference, e.prefill_chunk)
     # K/V storage (cache.kv_dtype) rounds as its own dtype does
     rounding = max(SELF_CHECK_TOL[dtype], SELF_CHECK_TOL[v(kv_dtype)] if kv_dtype is not None else 0.0)
     tol = rounding * max(check["logit_scale"], SCALE_FLOOR)
@@ -100,28 +101,42 @@ def calibrate_keys(cfg, arch) -> bool:
 
 
 @torch.no_grad()
-def hf_reference(model, context: int, chunk: int, window, vocab: int) -> tuple[list[int], torch.Tensor, int]:
-    """(ids, HF's logits of the rows compared, prefill length): one uncached HF forward over random ids that run
-    past the sliding window (when the context allows), so window masks are exercised. Only the rows compared are
-    kept: the last prefill row and the 4 decoded ones (all n rows of gemma's vocabulary: 0.7 GB)."""
+class Reference(NamedTuple):
+    ids: list[int]
+    kept: torch.Tensor        # HF's logits of the rows compared
+    prefill: int              # the prefill length; the rest are decoded one at a time
+    model: torch.nn.Module    # HF's model, whose mixture-of-experts routers replay `routing`
+    routing: list             # each router's choices in HF's forward (routing_replay.recorded)
+
+
+@torch.no_grad()
+def hf_reference(model, context: int, chunk: int, window, vocab: int) -> Reference:
+    """One uncached HF forward over random ids that run past the sliding window (when the context allows), so window
+    masks are exercised. Only the rows compared are kept: the last prefill row and the 4 decoded ones (all n rows of
+    gemma's vocabulary: 0.7 GB)."""
     n = min(context, (window or 0) + 2 * chunk + 4, 640)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
     prefill = n - 4
-    kept = model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=n - prefill + 1).logits[0].float()
-    return ids, kept, prefill
+    with routing_replay.recorded(model) as routing:
+        kept = model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=n - prefill + 1).logits[0].float()
+    return Reference(ids, kept, prefill, model, routing)
 
 
 def self_check(module, model, context: int, chunk: int, window, vocab: int) -> dict:
     """The wrapper against its model's uncached forward, past the window (hf_reference, then compare)."""
-    return compare(module, *hf_reference(model, context, chunk, window, vocab), chunk)
+    return compare(module, hf_reference(model, context, chunk, window, vocab), chunk)
 
 
 @torch.no_grad()
-def compare(module, ids: list[int], kept: torch.Tensor, prefill: int, chunk: int) -> dict:
-    """Chunked prefill + decode through the wrapper vs HF's uncached forward over the same ids (hf_reference)."""
-    errs = [(run_sequence(module, ids[:prefill], chunk) - kept[0]).abs().max().item()]
-    for i in range(prefill, len(ids)):
-        step = run_sequence(module, [ids[i]], 1, start=i)
-        errs.append((step - kept[i - prefill + 1]).abs().max().item())
-    return {"tokens": len(ids), "max_abs_err": max(errs), "logit_scale": kept.abs().max().item()}
+def compare(module, ref: Reference, chunk: int) -> dict:
+    """Chunked prefill + decode through the wrapper vs HF's uncached forward over the same ids (hf_reference), on
+    HF's routing (routing_replay: a router's near-tie must not decide the check)."""
+    ids, kept, prefill = ref.ids, ref.kept, ref.prefill
+    with routing_replay.replayed(ref.model, ref.routing) as routed:
+        errs = [(run_sequence(module, ids[:prefill], chunk) - kept[0]).abs().max().item()]
+        for i in range(prefill, len(ids)):
+            step = run_sequence(module, [ids[i]], 1, start=i)
+            errs.append((step - kept[i - prefill + 1]).abs().max().item())
+    check = {"tokens": len(ids), "max_abs_err": max(errs), "logit_scale": kept.abs().max().item()}
+    return check | routed if routed["routed_rows"] else check

@@ -40,7 +40,7 @@ def wrapped_error(model, mode: str, storage: str, calibrated: bool) -> float:
     g = from_config(model.config.get_text_config())
     chunk = min(8, g.smallest_window or 8)
     with torch.no_grad():
-        ids, kept, prefill = hf_reference(model, CONTEXT, chunk, g.sliding_window, g.vocab_size)
+        reference = hf_reference(model, CONTEXT, chunk, g.sliding_window, g.vocab_size)
         make_exportable(model)
         gen = torch.Generator().manual_seed(2)
         stats = key_calibration.measure(model, [torch.randint(3, g.vocab_size, (24,), generator=gen).tolist()
@@ -50,7 +50,7 @@ def wrapped_error(model, mode: str, storage: str, calibrated: bool) -> float:
         if mode == "offgraph":  # the runtime picks the storage, as verify's eager reference does
             module.cache.store_as(dtype)
         key_calibration.install(stats, torch.float32)
-        return compare(module, ids, kept, prefill, chunk)["max_abs_err"]
+        return compare(module, reference, chunk)["max_abs_err"]
 
 
 @pytest.mark.parametrize("mode", ["custom", "offgraph"])

@@ -27,13 +27,15 @@ RECURRENT_KINDS = ("linear_attention", "conv")
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
-         "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate")
+         "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate",
+         "router")
 # the roles a fused linear holds: an override naming one of them takes the fused linear too (`v` at 8 bits puts a
 # fused qkv at 8 bits, as llama.cpp's Q4_K_M treats attn_qkv as attn_v), so a recipe's roles fit either layout
 FUSED_ROLES = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 # roles kept in float unless an override names them: a shared expert's gate is one output row (a scalar per token that
-# scales the whole shared expert), where a 4-bit step would be all of its error
-FLOAT_ROLES = ("shared_gate",)
+# scales the whole shared expert), where a 4-bit step would be all of its error; a router held as a linear (HunYuan's)
+# picks the experts, where a rounding flips a near-tie
+FLOAT_ROLES = ("shared_gate", "router")
 # rotary scalings that trace to a program: `dynamic` recomputes its frequencies in a Python branch on the length
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
@@ -75,7 +77,7 @@ class Attention:
 @dataclass(frozen=True)
 class Mlp:
     path: str = "mlp"                  # in a decoder layer
-    gate: str = "gate_proj"
+    gate: Optional[str] = "gate_proj"  # None: down reads act(up(x)) (Arcee's ReLU^2, Apertus' xIELU)
     up: str = "up_proj"
     down: str = "down_proj"
     gate_up: Optional[str] = None      # one fused linear, gate rows then up rows (Phi-3, GLM-4)
@@ -86,7 +88,9 @@ class Mlp:
 @dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts MLP block: a router (kept in float) and a bank of experts, of which a token runs top-k."""
-    router: str = "gate"               # in the MLP block
+    # in the MLP block: the module that returns (logits, top-k weights, top-k index) and holds the router's weight
+    router: str = "gate"
+    router_linear: str = ""            # the weight's nn.Linear in the router (HunYuan's wg): listed with the linears
     bank: str = "experts"              # in the MLP block: the experts' stacked weights (rewritten to linears)
     count_key: str = "num_experts"
     top_k_key: str = "num_experts_per_tok"
@@ -98,10 +102,11 @@ class Experts:
     # layers whose MLP is dense, from the config (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
     dense_layers: Callable = field(default=lambda config: [])
     # a shared expert every token runs beside the routed ones (an MLP in the block, with the entry's Mlp names),
-    # scaled by sigmoid(shared_gate(x)) (Qwen3-Next); "" = none
+    # scaled by sigmoid(shared_gate(x)) (Qwen3-Next) or not at all (shared_gate "": ERNIE 4.5); "" = none
     shared: str = ""
     shared_gate: str = ""
     shared_width_key: str = "shared_expert_intermediate_size"
+    shared_width: Optional[Callable] = None   # config -> the shared expert's width, where derived (ERNIE 4.5)
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,9 @@ class Arch:
     reference_attention: str = "sdpa"
     # config features the pipeline does not build: (key, predicate on its value, why)
     refuses: tuple = ()
+    # rope types beside ROPE_TYPES that this family's own rotary computes once (Hunyuan's "dynamic" with a fixed
+    # alpha); what it cannot is in `refuses`
+    static_ropes: tuple = ()
     # the config fields of a tiny random model beside the common dims (tests; model.source=random), or a function
     # (model.random, common dims) -> its config dict where the fields depend on the dims
     tiny: dict = field(default_factory=dict)
@@ -233,7 +241,7 @@ class Arch:
         if kinds:
             out.append(("layer_types", kinds, f"layer kinds the {self.family} entry builds: {list(known)}"))
         for rope in _rope_types(config):
-            if rope not in ROPE_TYPES:
+            if rope not in ROPE_TYPES + self.static_ropes:
                 out.append(("rope_parameters.rope_type", rope,
                             f"not traceable to a program; allowed: {list(ROPE_TYPES)}"))
         return out

@@ -101,7 +101,7 @@ def _plans(model: nn.Module):
     for layer in a.decoder_layers(model):
         if not at.qkv and id(layer) in attending:
             yield a.attention_module(layer), QKV, (at.q, at.k, at.v)
-        if not m.gate_up and not a.has_experts(layer):
+        if m.gate and not m.gate_up and not a.has_experts(layer):
             yield a.mlp_module(layer), GATE_UP, (m.gate, m.up)
 
 

@@ -71,13 +71,14 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
     """(the module whose input is the MLP's, the weights that read it)."""
     mlp = a.mlp_module(layer)
     if a.has_experts(layer):
-        router = getattr(mlp, a.experts.router)
+        router = mlp.get_submodule(a.experts.router)
         bank = getattr(mlp, a.experts.bank)
-        readers = [router.weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
-        if a.experts.shared:  # the shared expert and its gate read the same input
-            shared = getattr(mlp, a.experts.shared)
-            readers += [getattr(shared, a.mlp.gate).weight, getattr(shared, a.mlp.up).weight,
-                        getattr(mlp, a.experts.shared_gate).weight]
+        readers = [(getattr(router, a.experts.router_linear) if a.experts.router_linear else router).weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
+        shared = getattr(mlp, a.experts.shared, None) if a.experts.shared else None
+        if shared is not None:  # the shared expert and its gate read the same input
+            readers += [getattr(shared, a.mlp.gate).weight, getattr(shared, a.mlp.up).weight]
+            if a.experts.shared_gate:
+                readers.append(getattr(mlp, a.experts.shared_gate).weight)
         return router, readers
     linears = [m for m in (_linear(mlp, a.mlp.gate_up),) if m] or \
         [m for m in (_linear(mlp, a.mlp.gate), _linear(mlp, a.mlp.up)) if m]
@@ -85,7 +86,8 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
 
 
 def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
-    """down's input = act(gate) * up: its scales fold into up's rows (per expert)."""
+    """down's input = act(gate) * up: its scales fold into up's rows (per expert). Without a gate, down reads
+    act(up): no scale passes an activation, so down is left alone."""
     mlp = a.mlp_module(layer)
     if a.has_experts(layer):
         if a.experts.activation != "silu":
@@ -93,12 +95,14 @@ def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
         bank = getattr(mlp, a.experts.bank)
         groups = [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
                   for e, x in enumerate(bank)]
-        if a.experts.shared:
-            shared = getattr(mlp, a.experts.shared)
+        shared = getattr(mlp, a.experts.shared, None) if a.experts.shared else None
+        if shared is not None:
             down = getattr(shared, a.mlp.down)
             groups.append(Group(f"{i}.down.shared", down, [down.weight], rows=Rows(getattr(shared, a.mlp.up))))
         return groups
     down = _linear(mlp, a.mlp.down)
+    if not a.mlp.gate and not a.mlp.gate_up:
+        return []
     fused = _linear(mlp, a.mlp.gate_up)
     up = Rows(fused, fused.out_features // 2, fused.out_features) if fused else Rows(_linear(mlp, a.mlp.up))
     return [Group(f"{i}.down", down, [down.weight], rows=up)] if down is not None and up.linear is not None else []
