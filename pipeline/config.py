@@ -138,6 +138,9 @@ class ModelConfig:
     gguf_pattern: str = "*.gguf"
     # random
     random: RandomModelConfig = field(default_factory=RandomModelConfig)
+    # a fine-tune's PEFT LoRA adapter (a folder: adapter_config.json and its weights), merged into the weights at
+    # download (pipeline/model/adapter.py)
+    adapter: Optional[str] = None
 
 
 class QuantAlgorithm(str, Enum):

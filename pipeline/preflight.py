@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError, PipelineError
 from pipeline.exporters import EXPORTERS
 from pipeline.memory_estimate import embedding_parameters, memory_estimate, parameter_count
 from pipeline.ops import isa_problem
-from pipeline.model import sources
+from pipeline.model import adapter, sources
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.geometry import Geometry
 from pipeline.model.layers import key_calibration
@@ -60,12 +60,25 @@ def check(cfg, geometry_fn=None, total_bytes: Optional[int] = None, notes: Optio
     if isa_problem():  # verify runs our kernels on the path it names
         problems.append(("LLMPIPE_ISA (environment)", os.environ["LLMPIPE_ISA"], isa_problem()))
     if geometry is not None:
-        problems += arch_problems(cfg, geometry) + geometry_problems(cfg, geometry)
+        problems += arch_problems(cfg, geometry) + geometry_problems(cfg, geometry) + adapter_problems(cfg, geometry)
         problems += EXPORTERS[cfg.export.exporter].geometry_problems(cfg, geometry)
         problems += memory_problems(cfg, geometry, total_bytes or psutil.virtual_memory().total)
     if problems:
         raise ConfigError(problems)
     return geometry
+
+
+def adapter_problems(cfg, g: Geometry) -> Problems:
+    """model.adapter: a PEFT LoRA folder whose targets are linears of this model (its adapter_config.json only)."""
+    path = cfg.model.adapter
+    if not path:
+        return []
+    why = adapter.problem(path, list(g.linear_shapes()))
+    out = [("model.adapter", path, why)] if why else []
+    if cfg.quantize.source_grid:
+        out.append(("quantize.source_grid", True, "carries the GGUF file's blocks of the base weights: the adapter "
+                    "(model.adapter) changes them, so choose one of the two"))
+    return out
 
 
 DEFAULT_CHUNK = 128  # export.prefill_chunk when null, where the model allows it

@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.model import sources
+from pipeline.model import adapter, sources
 from pipeline.model.checkpoint import ensure_tokenizer, keep_text_model
 from pipeline.model.gguf_reads import shared_gguf_reads
 from pipeline.config import v
@@ -36,8 +36,24 @@ def run(ctx) -> dict:
     # multimodal checkpoints keep their text model; processor-backed ones get their tokenizer saved as such
     info.update(keep_text_model(out))
     info.update(ensure_tokenizer(out, trust_remote_code=m.trust_remote_code))
+    if m.adapter:  # a fine-tune: merged before any stage reads the weights
+        with spinner(f"merge the adapter {m.adapter}", ctx.progress):
+            info.update(adapter.merge(out, m.adapter), adapter_files=adapter_hashes(m.adapter))
     ctx.info.update(info)
     return info
+
+
+def config_view(cfg) -> dict:
+    """The model's config, and an adapter's files by hash (an edited adapter rebuilds)."""
+    from pipeline.store.key import config_slice
+    view = config_slice(cfg, CONFIG_KEYS)
+    if cfg.model.adapter:
+        view["adapter_files"] = adapter_hashes(cfg.model.adapter)
+    return view
+
+
+def adapter_hashes(path: str) -> dict[str, str]:
+    return {f.name: sha256_file(f) for f in adapter.files(path)}
 
 
 def _hf(m, ctx, out: Path) -> dict:

@@ -347,6 +347,27 @@ class Interpreter(TopKOps, RecurrentOps):
     def op_Log1pNode(self, n, st):
         self._unary(n, st, _mx().log1p)
 
+    def op_Expm1Node(self, n, st):  # Apertus' xIELU
+        self._unary(n, st, _mx().expm1)
+
+    def op_ErfNode(self, n, st):
+        self._unary(n, st, _mx().erf)
+
+    def op_Log2Node(self, n, st):
+        self._unary(n, st, _mx().log2)
+
+    def op_Log10Node(self, n, st):
+        self._unary(n, st, _mx().log10)
+
+    def op_FloorNode(self, n, st):
+        self._unary(n, st, _mx().floor)
+
+    def op_CeilNode(self, n, st):
+        self._unary(n, st, _mx().ceil)
+
+    def op_SignNode(self, n, st):
+        self._unary(n, st, _mx().sign)
+
     def op_LogAddExpNode(self, n, st):
         self._binary(n, st, _mx().logaddexp)
 
