@@ -238,3 +238,33 @@ def test_mlx_with_the_cpp_runner_is_refused_before_any_work():
     r = run_cli("recipe=tiny_llama_mlx", "verify.native=true")
     assert r.returncode == 2
     assert "verify.native" in r.stderr and "backend=mlx" in r.stderr and "Traceback" not in r.stderr
+
+
+class _Router(torch.nn.Module):
+    """What ERNIE 4.5 MoE's and LFM2-MoE's routers and Apertus' activation compute: top-k after a bias, the unbiased
+    scores gathered, a clamped normalization, expm1."""
+
+    def forward(self, logits, bias):
+        probs = torch.softmax(logits, -1)
+        _, idx = torch.topk(probs + bias, 2, dim=-1)
+        picked = torch.gather(probs, 1, idx)
+        return picked / picked.sum(-1, keepdim=True).clamp(min=1e-12), torch.expm1(logits.clamp(max=0.5))
+
+
+def test_a_router_that_gathers_lowers_whole_to_mlx_and_runs(tmp_path):
+    """aten.gather as TakeAlongAxisNode (pipeline/backends/mlx/gather.py), ClipNode and Expm1Node in the interpreter."""
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    from pipeline.backends import BACKENDS
+    from pipeline.runtimes.mlx import load
+    logits, bias = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)), torch.linspace(0, 0.1, 8)
+    ep = torch.export.export(_Router(), (logits, bias))
+    partitioners, passes = BACKENDS["mlx"].partition()
+    edge = to_edge_transform_and_lower(ep, partitioner=partitioners, transform_passes=passes,
+                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    (tmp_path / "router.pte").write_bytes(edge.to_executorch(BACKENDS["mlx"].executorch_config(None)).buffer)
+    program = load(tmp_path / "router.pte")  # a kernel call outside the delegate would be refused here
+    assert {"TakeAlongAxisNode", "ClipNode", "Expm1Node"} <= set(program.ops())
+    got = program.execute([logits, bias])
+    for g, w in zip(got, _Router()(logits, bias)):
+        assert torch.allclose(torch.as_tensor(g), w, atol=1e-6)

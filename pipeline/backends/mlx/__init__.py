@@ -73,11 +73,12 @@ def refuses_arch(arch) -> str | None:
 
 
 def setup() -> None:
-    from pipeline.backends.mlx import schema
+    from pipeline.backends.mlx import gather, schema
     schema.ensure()  # the wheel lacks the generated schema modules until this runs once
     import executorch.backends.mlx  # noqa: F401  (registers mlx:: ops)
     import executorch.backends.mlx.custom_ops  # noqa: F401
     from executorch.extension.llm.cache import update_and_attend  # noqa: F401  (kvcache:: op)
+    gather.register()  # routers that gather their top-k scores (gather.py)
 
 
 def prepare(module, cfg) -> dict:

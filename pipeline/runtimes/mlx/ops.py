@@ -314,6 +314,10 @@ class Interpreter(TopKOps, RecurrentOps):
     def op_WhereNode(self, n, st):
         st.t[_tid(n["out"])] = _mx().where(st.tensor(n["condition"]), st.tensor(n["x"]), st.tensor(n["y"]))
 
+    def op_ClipNode(self, n, st):  # either bound may be absent (ERNIE 4.5 MoE's clamp(min=norm_min))
+        lo, hi = (st.tensor(n[k]) if n.get(k) is not None else None for k in ("a_min", "a_max"))
+        st.t[_tid(n["out"])] = _mx().clip(st.tensor(n["x"]), lo, hi)
+
     def _unary(self, n, st, f):
         st.t[_tid(n["out"])] = f(st.tensor(n["x"]))
 
