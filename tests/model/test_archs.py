@@ -190,3 +190,17 @@ def test_a_model_type_outside_the_registry_is_refused_before_any_work(tmp_path, 
 def test_the_readme_table_is_the_registry_s():
     readme = (ROOT / "README.md").read_text()
     assert readme_with_table(readme) == readme, "run: python -m pipeline support --write-readme"
+
+
+def test_what_an_entry_cannot_build_is_named_from_the_config():
+    """Hunyuan's rotary: 'dynamic' with a fixed alpha is static (built), without alpha it recomputes per length; its
+    MoE's per-layer expert counts."""
+    dense, moe = archs.ARCHS["hunyuan_v1_dense"], archs.ARCHS["hunyuan_v1_moe"]
+    assert dense.problems(tiny_config("hunyuan_alpha_rope")) == []
+    no_alpha = tiny_config("hunyuan_v1_dense")
+    no_alpha.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    assert [k for k, _, _ in dense.problems(no_alpha)] == ["rope_parameters"]
+    config = tiny_config("hunyuan_v1_moe")
+    config.moe_topk = [2, 2, 2, 2]
+    assert [(k, why) for k, _, why in moe.problems(config)] == [
+        ("moe_topk", "a value per layer: allowed one int for every layer")]

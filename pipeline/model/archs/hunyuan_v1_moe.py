@@ -12,6 +12,6 @@ def _per_layer(value) -> bool:
 ARCH = Arch(family="Hunyuan MoE", attention=Attention(qk_norm="head"), static_ropes=DENSE.static_ropes,
             experts=Experts(router_linear="wg", count_key="num_experts", top_k_key="moe_topk",
                             width_key="intermediate_size", shared="shared_mlp", shared_width_key="intermediate_size"),
-            refuses=DENSE.refuses + tuple((key, _per_layer, "one value per layer: give every layer the same")
+            refuses=DENSE.refuses + tuple((key, _per_layer, "a value per layer: allowed one int for every layer")
                                           for key in ("num_experts", "moe_topk")),
             tiny={"num_experts": 8, "moe_topk": 2})
