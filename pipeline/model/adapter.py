@@ -76,5 +76,5 @@ def merge(model_dir: Path, path: str) -> dict:
         f.unlink()
     merged.to(dtype).save_pretrained(model_dir)
     config = json.loads((folder(path) / CONFIG).read_text())
-    return {"adapter": str(folder(path).resolve()), "adapter_rank": config.get("r"), "adapter_alpha": config.get("lora_alpha"),
-            "adapter_targets": config.get("target_modules")}
+    return {"adapter": str(folder(path).resolve()), "adapter_rank": config.get("r"),
+            "adapter_alpha": config.get("lora_alpha"), "adapter_targets": config.get("target_modules")}

@@ -260,10 +260,10 @@ def from_config(config) -> Geometry:
     extra = _per_layer(a, config, types) if a.per_layer else {}
     if a.experts is not None:
         x = a.experts
+        shared = (x.shared_width(config) if x.shared_width else getattr(config, x.shared_width_key)) if x.shared else 0
         extra.update(num_experts=getattr(config, x.count_key), experts_per_token=getattr(config, x.top_k_key),
                      expert_width=getattr(config, x.width_key), dense_mlp_layers=list(x.dense_layers(config)),
-                     shared_expert_width=(x.shared_width(config) if x.shared_width else getattr(config, x.shared_width_key))
-                     if x.shared else 0)
+                     shared_expert_width=shared)
     if a.gated_delta is not None:
         d = a.gated_delta
         extra.update(delta_key_heads=getattr(config, d.key_heads_key),

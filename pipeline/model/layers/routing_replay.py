@@ -62,7 +62,8 @@ def replayed(model: nn.Module, record: list) -> Iterator[dict]:
             n = out[2].shape[0]
             weights, index = rows[i]
             if cursor[i] + n > index.shape[0]:
-                raise RuntimeError(f"routing replay: router {i} ran {cursor[i] + n} rows, HF's forward {index.shape[0]}")
+                raise RuntimeError(f"routing replay: router {i} ran {cursor[i] + n} rows, "
+                                   f"HF's forward {index.shape[0]}")
             w, ix = weights[cursor[i]:cursor[i] + n], index[cursor[i]:cursor[i] + n]
             cursor[i] += n
             counts["routed_rows"] += n

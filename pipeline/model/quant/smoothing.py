@@ -73,7 +73,8 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
     if a.has_experts(layer):
         router = mlp.get_submodule(a.experts.router)
         bank = getattr(mlp, a.experts.bank)
-        readers = [(getattr(router, a.experts.router_linear) if a.experts.router_linear else router).weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
+        weight = (getattr(router, a.experts.router_linear) if a.experts.router_linear else router).weight
+        readers = [weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
         shared = getattr(mlp, a.experts.shared, None) if a.experts.shared else None
         if shared is not None:  # the shared expert and its gate read the same input
             readers += [getattr(shared, a.mlp.gate).weight, getattr(shared, a.mlp.up).weight]

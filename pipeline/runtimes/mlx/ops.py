@@ -9,6 +9,7 @@ import numpy as np
 from pipeline.model.kv.runtime_cache import bound_cache
 from pipeline.runtimes.mlx.payload import Graph, UnsupportedInstruction, _mx, mx_dtype, to_mx, to_torch
 from pipeline.runtimes.mlx.payload import tid as _tid
+from pipeline.runtimes.mlx.math_ops import MathOps
 from pipeline.runtimes.mlx.recurrent_ops import RecurrentOps
 from pipeline.runtimes.mlx.topk_ops import TopKOps
 
@@ -71,7 +72,7 @@ def _slice_bounds(x, axis: int, start: int, stop: int):
 def _index(rank: int, axis: int, sl) -> tuple:
     return tuple(sl if i == axis else slice(None) for i in range(rank))
 
-class Interpreter(TopKOps, RecurrentOps):
+class Interpreter(TopKOps, RecurrentOps, MathOps):
     """Handlers by op name; each reads its operands from the State and writes its outputs.
     kvcache::update_and_attend reaches the bound runtime-owned cache, as the kernel of our runners does."""
 
@@ -314,10 +315,6 @@ class Interpreter(TopKOps, RecurrentOps):
     def op_WhereNode(self, n, st):
         st.t[_tid(n["out"])] = _mx().where(st.tensor(n["condition"]), st.tensor(n["x"]), st.tensor(n["y"]))
 
-    def op_ClipNode(self, n, st):  # either bound may be absent (ERNIE 4.5 MoE's clamp(min=norm_min))
-        lo, hi = (st.tensor(n[k]) if n.get(k) is not None else None for k in ("a_min", "a_max"))
-        st.t[_tid(n["out"])] = _mx().clip(st.tensor(n["x"]), lo, hi)
-
     def _unary(self, n, st, f):
         st.t[_tid(n["out"])] = f(st.tensor(n["x"]))
 
@@ -350,27 +347,6 @@ class Interpreter(TopKOps, RecurrentOps):
 
     def op_Log1pNode(self, n, st):
         self._unary(n, st, _mx().log1p)
-
-    def op_Expm1Node(self, n, st):  # Apertus' xIELU
-        self._unary(n, st, _mx().expm1)
-
-    def op_ErfNode(self, n, st):
-        self._unary(n, st, _mx().erf)
-
-    def op_Log2Node(self, n, st):
-        self._unary(n, st, _mx().log2)
-
-    def op_Log10Node(self, n, st):
-        self._unary(n, st, _mx().log10)
-
-    def op_FloorNode(self, n, st):
-        self._unary(n, st, _mx().floor)
-
-    def op_CeilNode(self, n, st):
-        self._unary(n, st, _mx().ceil)
-
-    def op_SignNode(self, n, st):
-        self._unary(n, st, _mx().sign)
 
     def op_LogAddExpNode(self, n, st):
         self._binary(n, st, _mx().logaddexp)
