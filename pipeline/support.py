@@ -45,6 +45,8 @@ def layout(a: Arch) -> str:
         parts.append(f"Gated DeltaNet layers (recurrent state{fused})")
     if a.short_conv:
         parts.append("short-conv layers (recurrent state)")
+    if a.mamba2:
+        parts.append("Mamba-2 layers (recurrent state)")
     if at.output_gate:
         parts.append("gated attention output")
     fused = [n for n in (at.qkv, a.mlp.gate_up) if n]

@@ -49,6 +49,12 @@ class Geometry:
     delta_value_dim: int = 0
     delta_conv_kernel: int = 0
     conv_kernel: int = 0
+    # Mamba-2 layers: heads, head dim, B/C groups, state size, conv kernel
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_conv_kernel: int = 0
     problems: list = field(default_factory=list)           # (config key, value, why) the entry cannot build
     # longrope: past this length HF rotates every position with the long factors (and re-runs the whole sequence),
     # which a cache built position by position cannot follow: the context must stay within it
@@ -87,6 +93,11 @@ class Geometry:
         """A Gated DeltaNet layer's conv channels: q, k (key heads x key dim each) and v (value heads x value dim)."""
         return 2 * self.delta_key_heads * self.delta_key_dim + self.delta_value_heads * self.delta_value_dim
 
+    @property
+    def mamba_conv_channels(self) -> int:
+        """A Mamba-2 layer's conv channels: x (heads x head dim), then B and C (groups x state size each)."""
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
+
     def state_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         """A recurrent layer's state: its conv's last kernel - 1 inputs and, for a Gated DeltaNet, the fp32 matrix
         per value head; {} for an attention layer (its K/V cache: kv_layout)."""
@@ -96,6 +107,9 @@ class Geometry:
                     "delta": (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)}
         if kind == "conv":
             return {"conv": (self.conv_kernel - 1, self.hidden_size)}
+        if kind == "mamba":
+            return {"conv": (self.mamba_conv_kernel - 1, self.mamba_conv_channels),
+                    "delta": (self.mamba_heads, self.mamba_state, self.mamba_head_dim)}
         return {}
 
     def linear_specs(self) -> dict[str, tuple[int, int, str]]:
@@ -105,7 +119,8 @@ class Geometry:
         for i in range(self.num_layers):
             kind = self.kind(i)
             out.update(self._delta_linears(a, i) if kind == "linear_attention" else
-                       self._conv_linears(a, i) if kind == "conv" else self._attention_linears(a, i))
+                       self._conv_linears(a, i) if kind == "conv" else
+                       self._mamba_linears(a, i) if kind == "mamba" else self._attention_linears(a, i))
             out.update(self._mlp_linears(a, i))
             if self.per_layer_input:
                 out[f"{a.layers}.{i}.per_layer_input_gate"] = (self.per_layer_input, h, "per_layer")
@@ -143,6 +158,12 @@ class Geometry:
         p = f"{a.layers}.{i}.{c.path}."
         return {p + c.in_proj: (3 * h, h, "conv_in"), p + c.out: (h, h, "conv_out")}
 
+    def _mamba_linears(self, a: archs.Arch, i: int) -> dict:
+        m, h = a.mamba2, self.hidden_size
+        p, inner = f"{a.layers}.{i}.{m.path}.", self.mamba_heads * self.mamba_head_dim
+        return {p + m.in_proj: (inner + self.mamba_conv_channels + self.mamba_heads, h, "ssm_in"),
+                p + m.out: (h, inner, "ssm_out")}
+
     def _mlp_linears(self, a: archs.Arch, i: int) -> dict:
         m, h = a.mlp, self.hidden_size
         p = f"{a.layers}.{i}.{m.path}."
@@ -154,8 +175,11 @@ class Geometry:
             if a.experts.router_linear:
                 out[f"{p}{a.experts.router}.{a.experts.router_linear}"] = (self.num_experts, h, "router")
             if a.experts.shared and self.shared_expert_width:  # ERNIE 4.5 may have none
-                s, sw = f"{p}{a.experts.shared}.", self.shared_expert_width
-                out.update({s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up"), s + m.down: (h, sw, "down")})
+                s = f"{a.layers}.{i}." if a.experts.shared_in_layer else p
+                s, sw = f"{s}{a.experts.shared}.", self.shared_expert_width
+                ins = {s + m.gate_up: (2 * sw, h, "gate_up")} if m.gate_up else \
+                    {s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up")}
+                out.update({**ins, s + m.down: (h, sw, "down")})
                 if a.experts.shared_gate:
                     out[p + a.experts.shared_gate] = (1, h, "shared_gate")
             return out
@@ -181,6 +205,9 @@ class Geometry:
                     + self.delta_value_dim
             elif self.kind(i) == "conv":
                 total += self.hidden_size * self.conv_kernel
+            elif self.kind(i) == "mamba":  # conv weights and bias; A_log, dt_bias, D; the gated norm
+                total += self.mamba_conv_channels * (self.mamba_conv_kernel + 1) + 3 * self.mamba_heads \
+                    + self.mamba_heads * self.mamba_head_dim
         return total
 
     def state_bytes(self, dtype_bytes: int) -> int:
@@ -271,6 +298,11 @@ def from_config(config) -> Geometry:
                      delta_value_dim=getattr(config, d.value_dim_key), delta_conv_kernel=getattr(config, d.kernel_key))
     if a.short_conv is not None:
         extra.update(conv_kernel=getattr(config, a.short_conv.kernel_key))
+    if a.mamba2 is not None:
+        m = a.mamba2
+        extra.update(mamba_heads=getattr(config, m.heads_key), mamba_head_dim=getattr(config, m.head_dim_key),
+                     mamba_groups=getattr(config, m.groups_key), mamba_state=getattr(config, m.state_key),
+                     mamba_conv_kernel=getattr(config, m.kernel_key))
     window = getattr(config, "sliding_window", None)
     width = a.mlp.width(config) if a.mlp.width else getattr(config, a.mlp.width_key)
     return Geometry(

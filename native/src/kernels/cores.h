@@ -17,6 +17,7 @@ struct Segment;
 namespace recurrent {
 struct DeltaStep;
 struct ConvStep;
+struct SsdStep;
 }
 namespace experts {
 struct Proj;
@@ -31,9 +32,10 @@ struct Cores {
   // llmpipe::experts: one projection of expert e over n rows (experts_core.h)
   void (*experts_project)(const experts::Proj& p, int64_t e, const float* x, int64_t n, float* y,
                           std::vector<int16_t>& qz, std::vector<float>& rs);
-  // recurrent_core.h run_delta / run_conv
+  // recurrent_core.h run_delta / run_conv / run_ssd
   void (*run_delta)(const recurrent::DeltaStep& step, float* state);
   void (*run_conv)(const recurrent::ConvStep& step, float* state);
+  void (*run_ssd)(const recurrent::SsdStep& step, float* state);
 };
 
 // The active path's cores (kernels/isa.cpp).
@@ -61,6 +63,7 @@ void project(const Proj& p, int64_t e, const float* x, int64_t n, float* y, std:
 namespace recurrent::LLMPIPE_ISA_NS {
 void run_delta(const DeltaStep& step, float* state);
 void run_conv(const ConvStep& step, float* state);
+void run_ssd(const SsdStep& step, float* state);
 }
 namespace LLMPIPE_ISA_NS {
 extern const Cores kCores;

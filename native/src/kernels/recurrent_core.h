@@ -54,6 +54,25 @@ DeltaStep delta_rows(const DeltaStep& step, int64_t row, int64_t T, int64_t pos)
 // Advances state (zeroed first at position 0) over the step, in the chunked form, a value head a task.
 void run_delta(const DeltaStep& step, float* state);
 
+// Mamba-2's scan: x [1,T,H,P], dt [1,T,H], A_log, dt_bias, D [H], B, C [1,T,G,N], out [1,T,H,P], all Float;
+// state [H,N,P] fp32 (ssd_kernel.cpp; Python twin pipeline/model/layers/ssd.py).
+struct SsdStep {
+  const float *x = nullptr, *dt = nullptr, *A_log = nullptr, *dt_bias = nullptr, *B = nullptr, *C = nullptr,
+              *D = nullptr;
+  float* out = nullptr;
+  int64_t pos = 0, T = 0, H = 0, P = 0, G = 0, N = 0;
+  float dt_min = 0.f, dt_max = 0.f;
+};
+
+bool ssd_step(const executorch::aten::Tensor& x, const executorch::aten::Tensor& dt,
+              const executorch::aten::Tensor& A_log, const executorch::aten::Tensor& dt_bias,
+              const executorch::aten::Tensor& B, const executorch::aten::Tensor& C, const executorch::aten::Tensor& D,
+              const executorch::aten::Tensor& position, double dt_min, double dt_max, executorch::aten::Tensor& out,
+              SsdStep* step, std::string* why, bool consecutive_rows = true);
+SsdStep ssd_rows(const SsdStep& step, int64_t row, int64_t T, int64_t pos);
+// Advances state (zeroed first at position 0) over the step, in the chunked form, a head a task.
+void run_ssd(const SsdStep& step, float* state);
+
 // The causal conv: x [1,T,C], weight [C,K], bias [C] or none, out [1,T,C], all Float; state [K-1,C] Float.
 struct ConvStep {
   const float *x = nullptr, *w = nullptr, *bias = nullptr;

@@ -1,4 +1,4 @@
-// The recurrent layers' numeric cores (recurrent_core.h's run_delta and run_conv), compiled once per ISA path
+// The recurrent layers' numeric cores (recurrent_core.h's run_delta, run_conv and run_ssd), compiled once per ISA path
 // (kernels/isa.h) in namespace LLMPIPE_ISA_NS: their loops are `omp simd` loops the compiler vectorizes for the path
 // (AVX2 / AVX-512 fmas on x86-64, NEON fmla on ARM64; none on the scalar path, each kernel's twin).
 #include <algorithm>
@@ -101,12 +101,66 @@ void run_head(const DeltaStep& p, float* state, int64_t h) {
   }
 }
 
+// One head of Mamba-2's scan over the whole step, chunk by chunk (ssd.py's chunked form).
+void ssd_head(const SsdStep& p, float* state, int64_t h) {
+  const int64_t N = p.N, P = p.P, g = h / (p.H / p.G);
+  float* S = state + h * N * P;
+  const double rate = std::exp(static_cast<double>(p.A_log[h]));
+  const int64_t rows = std::min(kChunk, p.T);
+  std::vector<float> U(rows * P), O(rows * P), gamma(rows), carry(rows);
+  for (int64_t c0 = 0; c0 < p.T; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, p.T - c0);
+    double cum = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = c0 + i;
+      const double raw = softplus(static_cast<double>(p.dt[t * p.H + h]) + p.dt_bias[h]);
+      const float delta = std::min(std::max(static_cast<float>(raw), p.dt_min), p.dt_max);
+      cum -= rate * delta;
+      gamma[i] = static_cast<float>(cum);
+      const float* x = p.x + (t * p.H + h) * P;
+      for (int64_t c = 0; c < P; ++c) U[i * P + c] = delta * x[c];
+    }
+    // one read of the state: O_i = S^T C_i (rows of S stay in cache over i)
+    std::fill(O.begin(), O.begin() + n * P, 0.f);
+    for (int64_t d = 0; d < N; ++d) {
+      const float* Sd = S + d * P;
+      for (int64_t i = 0; i < n; ++i) axpy(p.C[((c0 + i) * p.G + g) * N + d], Sd, O.data() + i * P, P);
+    }
+    // y_i = exp(gamma_i) O_i + sum_{j<=i} exp(gamma_i - gamma_j) (C_i . B_j) u_j + D x_i
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = c0 + i;
+      float* o = p.out + (t * p.H + h) * P;
+      const float* x = p.x + (t * p.H + h) * P;
+      const float* Ci = p.C + (t * p.G + g) * N;
+      const float eg = std::exp(gamma[i]), dh = p.D[h];
+      for (int64_t c = 0; c < P; ++c) o[c] = eg * O[i * P + c] + dh * x[c];
+      for (int64_t j = 0; j <= i; ++j)
+        axpy(std::exp(gamma[i] - gamma[j]) * dot(Ci, p.B + ((c0 + j) * p.G + g) * N, N), U.data() + j * P, o, P);
+    }
+    // one write of the state: S = exp(gamma_n) S + sum_j exp(gamma_n - gamma_j) B_j u_j^T
+    const float last = gamma[n - 1], en = std::exp(last);
+    for (int64_t j = 0; j < n; ++j) carry[j] = std::exp(last - gamma[j]);
+    for (int64_t d = 0; d < N; ++d) {
+      float* Sd = S + d * P;
+      for (int64_t c = 0; c < P; ++c) Sd[c] *= en;
+      for (int64_t j = 0; j < n; ++j) axpy(carry[j] * p.B[((c0 + j) * p.G + g) * N + d], U.data() + j * P, Sd, P);
+    }
+  }
+}
+
 }  // namespace
 
 void run_delta(const DeltaStep& s, float* state) {
   if (s.T > 0 && s.pos == 0) std::fill(state, state + s.Hv * s.Dk * s.Dv, 0.f);  // a new sequence
   executorch::extension::parallel_for(0, s.Hv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) run_head(s, state, h);
+  });
+}
+
+void run_ssd(const SsdStep& s, float* state) {
+  if (s.T > 0 && s.pos == 0) std::fill(state, state + s.H * s.N * s.P, 0.f);  // a new sequence
+  executorch::extension::parallel_for(0, s.H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t h = begin; h < end; ++h) ssd_head(s, state, h);
   });
 }
 

@@ -5,6 +5,8 @@
 //     over state `state_id`'s matrix (gated_delta_kernel.cpp's shapes).
 //   llmpipe::state_conv.out(x, weight, bias, position, state_id, activation, *, out): the causal conv over state
 //     `state_id`'s conv inputs (causal_conv_kernel.cpp's shapes).
+//   llmpipe::state_ssd.out(x, dt, A_log, dt_bias, B, C, D, position, state_id, dt_min, dt_max, *, out): Mamba-2's
+//     scan over state `state_id`'s matrix, [heads, state size, head dim] (ssd_kernel.cpp's shapes).
 // A step must go on at the cache's length or start over at 0 (the caller's check_step refuses the rest). With a
 // batched step bound (the batched runner), each row group advances its own session's state over its own rows.
 #include <optional>
@@ -104,6 +106,30 @@ Tensor& state_delta_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor
   return out;
 }
 
+Tensor& state_ssd_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& dt, const Tensor& A_log,
+                      const Tensor& dt_bias, const Tensor& B, const Tensor& C, const Tensor& D, const Tensor& position,
+                      int64_t state_id, double dt_min, double dt_max, Tensor& out) {
+  constexpr const char* op = "llmpipe::state_ssd";
+  std::string why;
+  SsdStep s;
+  static thread_local std::vector<Target> ts;
+  const bool batched = offgraph::bound_batch() != nullptr;
+  if (!ssd_step(x, dt, A_log, dt_bias, B, C, D, position, dt_min, dt_max, out, &s, &why, !batched) ||
+      !targets(position, s.T, s.pos, state_id, &ts, &why))
+    return fail(ctx, op, state_id, why, out);
+  for (const Target& t : ts) {
+    const offgraph::StateSpec& sp = t.states->spec(static_cast<int>(state_id));
+    if (sp.heads != s.H || sp.key_dim != s.N || sp.value_dim != s.P)
+      return fail(ctx, op, state_id, "the bound state is " + std::to_string(sp.heads) + "x" +
+                                          std::to_string(sp.key_dim) + "x" + std::to_string(sp.value_dim) +
+                                          " but the step's heads, state size and head dim are " +
+                                          std::to_string(s.H) + "x" + std::to_string(s.N) + "x" +
+                                          std::to_string(s.P), out);
+  }
+  for (const Target& t : ts) run_ssd(ssd_rows(s, t.row, t.T, t.pos), t.states->delta(static_cast<int>(state_id)));
+  return out;
+}
+
 Tensor& state_conv_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& weight,
                        const std::optional<Tensor>& bias, const Tensor& position, int64_t state_id, int64_t activation,
                        Tensor& out) {
@@ -131,3 +157,4 @@ Tensor& state_conv_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor&
 
 LLMPIPE_KERNEL(llmpipe, "state_delta.out", llmrt::recurrent::state_delta_out);
 LLMPIPE_KERNEL(llmpipe, "state_conv.out", llmrt::recurrent::state_conv_out);
+LLMPIPE_KERNEL(llmpipe, "state_ssd.out", llmrt::recurrent::state_ssd_out);

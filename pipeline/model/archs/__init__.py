@@ -22,13 +22,13 @@ from pipeline.errors import PipelineError
 # the layer kinds an attention cache mode builds
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # the layer kinds whose state is a fixed-size recurrent one (an entry declares which it has); any other is refused
-RECURRENT_KINDS = ("linear_attention", "conv")
+RECURRENT_KINDS = ("linear_attention", "conv", "mamba")
 # the names of one expert's linears after the rewrite (model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
          "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate",
-         "router")
+         "router", "ssm_in", "ssm_out")
 # the roles a fused linear holds: an override naming one of them takes the fused linear too (`v` at 8 bits puts a
 # fused qkv at 8 bits, as llama.cpp's Q4_K_M treats attn_qkv as attn_v), so a recipe's roles fit either layout
 FUSED_ROLES = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -107,6 +107,9 @@ class Experts:
     shared_gate: str = ""
     shared_width_key: str = "shared_expert_intermediate_size"
     shared_width: Optional[Callable] = None   # config -> the shared expert's width, where derived (ERNIE 4.5)
+    # the shared expert sits beside the block in the decoder layer (Granite-4.0-H's shared_mlp, which the layer's own
+    # forward adds), not inside it
+    shared_in_layer: bool = False
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,31 @@ class ShortConv:
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """A `mamba` layer (Bamba, Granite-4.0-H): in_proj to z | x,B,C | dt, x,B,C through a depthwise causal conv
+    (silu), Mamba-2's SSD scan over a [heads, state size, head dim] state (pipeline/model/layers/ssd.py), a gated
+    RMSNorm of y with z, out_proj. HF 5.x names these layers `linear_attention`: the entry's layer_kinds maps them."""
+    path: str = "mamba"                # in a decoder layer
+    in_proj: str = "in_proj"
+    conv: str = "conv1d"
+    norm: str = "norm"
+    out: str = "out_proj"
+    heads_key: str = "mamba_n_heads"
+    head_dim_key: str = "mamba_d_head"
+    groups_key: str = "mamba_n_groups"
+    state_key: str = "mamba_d_state"
+    kernel_key: str = "mamba_d_conv"
+    activation_key: str = "hidden_act"  # the conv's activation: silu is what the op runs
+
+
+def mamba_layer_kinds(config) -> list[str]:
+    """HF's layer types with its `linear_attention` (a Mamba-2 mixer in these families) named `mamba`; a checkpoint's
+    own names ("mamba", "attention": Granite-4.0-H's config.json) read as HF reads them."""
+    names = {"linear_attention": "mamba", "attention": "full_attention"}
+    return [names.get(t, t) for t in _config_layer_kinds(config)]
+
+
+@dataclass(frozen=True)
 class Norms:
     placement: str = "pre"             # pre | post | sandwich | parallel: where the layer's norms sit
     attention_input: Optional[str] = "input_layernorm"         # the norm the attention projections read (None:
@@ -172,6 +200,7 @@ class Arch:
     per_layer: Optional[PerLayer] = None
     gated_delta: Optional[GatedDeltaNet] = None    # the model's `linear_attention` layers
     short_conv: Optional[ShortConv] = None         # the model's `conv` layers
+    mamba2: Optional[Mamba2] = None                # the model's `mamba` layers
     layers: str = "model.layers"       # the decoder layers, in the causal LM
     layer_kinds: Callable = field(default=_config_layer_kinds)
     # what HF's forward applies and the entry only records (the support table; preflight's refusals)
@@ -210,15 +239,24 @@ class Arch:
 
     def recurrent_kinds(self) -> tuple[str, ...]:
         """The recurrent layer kinds this entry declares (archs.RECURRENT_KINDS)."""
-        return (("linear_attention",) if self.gated_delta else ()) + (("conv",) if self.short_conv else ())
+        return (("linear_attention",) if self.gated_delta else ()) + (("conv",) if self.short_conv else ()) + \
+            (("mamba",) if self.mamba2 else ())
 
     def mixer_path(self, kind: str) -> str:
         """Where a layer of this kind keeps its token mixer: the attention, or a recurrent layer's block."""
         return {"linear_attention": self.gated_delta.path if self.gated_delta else None,
-                "conv": self.short_conv.path if self.short_conv else None}.get(kind, self.attention.path)
+                "conv": self.short_conv.path if self.short_conv else None,
+                "mamba": self.mamba2.path if self.mamba2 else None}.get(kind, self.attention.path)
 
     def mlp_module(self, layer):
         return layer.get_submodule(self.mlp.path)
+
+    def shared_expert(self, layer):
+        """The layer's shared expert (an MLP with the entry's Mlp names), or None."""
+        x = self.experts
+        if x is None or not x.shared or not self.has_experts(layer):
+            return None
+        return getattr(layer if x.shared_in_layer else self.mlp_module(layer), x.shared, None)
 
     def has_experts(self, layer) -> bool:
         """Is this layer's MLP a mixture of experts (HF's bank, or ours after the rewrite)?"""
@@ -236,6 +274,9 @@ class Arch:
         act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
         if self.experts is not None and self.experts.activation == "silu" and act not in (None, "silu"):
             out.append(("hidden_act", act, "the experts' kernel runs silu(gate) * up: allowed ['silu']"))
+        if self.mamba2 is not None and getattr(config, self.mamba2.activation_key, "silu") != "silu":
+            out.append((self.mamba2.activation_key, getattr(config, self.mamba2.activation_key),
+                        "the Mamba-2 conv runs silu: allowed ['silu']"))
         known = ATTENTION_KINDS + self.recurrent_kinds()
         kinds = sorted(set(self.layer_kinds(config)) - set(known))
         if kinds:

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from pipeline.model.layers.attention import (HookedAttentionLM, attend_gathered, attention_layers, define_op, kv_source,
-                                      link_kv_sources, logits_to_keep, query_positions, step_args)
+                                             link_kv_sources, logits_to_keep, query_positions, step_args,
+                                             step_positions)
 from pipeline.model.kv.hf_static_cache import attach_static_cache, reset_static_cache, start_step
 from pipeline.model.kv.layout import cache_layout
 
@@ -139,7 +140,7 @@ class SdpaStaticCacheLM(HookedAttentionLM):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         start_step(self.cache, positions)
-        with self._attn_impl():
+        with self._attn_impl(), step_positions(positions.unsqueeze(0)):
             keep = logits_to_keep(self.logits_mode, tokens, None, self.tail_rows)
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), past_key_values=self.cache,
                               use_cache=True, logits_to_keep=keep).logits

@@ -7,6 +7,7 @@ The C++ twin of `attend_gathered` is native/src/kernels/kv_attention.cpp (one co
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Optional
 
 import torch
@@ -53,10 +54,28 @@ def check_step(op: str, q, k, v, position) -> tuple[int, int]:
     return pos, T
 
 
+# the step's positions [1,T] while a wrapper runs the model: for a decoder layer that does not hand HF's position_ids
+# on to its attention (Granite-4.0-H's)
+_STEP_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("llmpipe_step_positions", default=None)
+
+
+@contextlib.contextmanager
+def step_positions(positions: torch.Tensor):
+    """Publish the step's positions [1,T] to the attention functions for the duration of one model call."""
+    token = _STEP_POSITIONS.set(positions)
+    try:
+        yield
+    finally:
+        _STEP_POSITIONS.reset(token)
+
+
 def step_args(op: str, query: torch.Tensor, scaling, kwargs) -> tuple[torch.Tensor, float]:
     """What every cache-mode attention function takes from HF's attention-interface call: the step's positions
-    (the wrapper passes positions[None] as position_ids) and the softmax scale (HF's default when None)."""
+    (the wrapper passes positions[None] as position_ids, and publishes them: step_positions) and the softmax scale
+    (HF's default when None)."""
     positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = _STEP_POSITIONS.get()
     if positions is None:
         raise RuntimeError(f"{op} attention needs position_ids (the wrapper passes positions[None])")
     return positions, float(scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -185,6 +204,6 @@ class HookedAttentionLM(nn.Module):
         wrapper returns the last row, as `last` does (what a single-session caller asks)."""
         # positions go to HF explicitly and no HF cache: HF would derive them from an empty cache
         keep = logits_to_keep(self.logits_mode, tokens, rows, self.tail_rows)
-        with self._attn_impl():
+        with self._attn_impl(), step_positions(positions.unsqueeze(0)):
             return self.model(input_ids=tokens, position_ids=positions.unsqueeze(0), use_cache=False,
                               logits_to_keep=keep).logits

@@ -10,9 +10,11 @@ by one that advances its state with our ops, a step of any length at a time. The
 
 A Gated DeltaNet layer (Qwen3.5) runs its q|k|v through that conv (silu), then llmpipe::gated_delta_rule
 (pipeline/model/layers/gated_delta.py) over its [value heads, key dim, value dim] fp32 state; a short-conv layer (LFM2)
-computes C * conv(B * x). The mixers read the step's positions from the wrapper (`step_positions`): a step at 0
+computes C * conv(B * x); a Mamba-2 layer (Bamba, Granite-4.0-H) runs its x|B|C through the conv (silu), then
+llmpipe::ssd_scan (pipeline/model/layers/ssd.py) over its [heads, state size, head dim] fp32 state. The mixers read the step's positions from the wrapper (`step_positions`): a step at 0
 starts a new sequence. The weights stay the HF module's (the same names, so quantization finds the linears where the
-geometry lists them); the conv weights, A_log, dt_bias and the norms stay in float.
+geometry lists them); the conv weights, A_log, dt_bias, D and the norms stay in float. A layer's matrix state, a
+DeltaNet's or a Mamba-2 layer's, is its "delta" part (the runtime cache stores either as one fp32 matrix per head).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from pipeline.model import archs
 from pipeline.model.layers import gated_delta  # noqa: F401 (defines llmpipe::gated_delta_rule)
+from pipeline.model.layers import ssd  # noqa: F401 (defines llmpipe::ssd_scan)
 from pipeline.model.layers.attention import define_op
 
 NAMESPACE = "llmpipe"
@@ -96,6 +99,13 @@ def _define_state_ops() -> None:
         return gated_delta.gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, state(int(state_id), "delta"), position,
                                                 float(scale))
 
+    def scan(x, dt, A_log, dt_bias, B, C, D, position, state_id, dt_min, dt_max):
+        return ssd.ssd_scan_ref(x, dt, A_log, dt_bias, B, C, D, state(int(state_id), "delta"), position, float(dt_min),
+                                float(dt_max))
+
+    globals()["_LIB_STATE_SSD"] = define_op(
+        NAMESPACE, STATE_SSD_OP, "Tensor x, Tensor dt, Tensor A_log, Tensor dt_bias, Tensor B, Tensor C, Tensor D, "
+        "Tensor position, int state_id, float dt_min, float dt_max", "a", scan, lambda x, *rest: x.new_empty(x.shape))
     globals()["_LIB_STATE_CONV"] = define_op(
         NAMESPACE, STATE_CONV_OP, "Tensor x, Tensor weight, Tensor? bias, Tensor position, int state_id, "
         "int activation", "a", conv, lambda x, *rest: x.new_empty(x.shape))
@@ -104,7 +114,7 @@ def _define_state_ops() -> None:
         "Tensor position, int state_id, float scale", "a", delta, lambda q, k, v, *rest: v.new_empty(v.shape))
 
 
-STATE_CONV_OP, STATE_DELTA_OP = "state_conv", "state_delta"
+STATE_CONV_OP, STATE_DELTA_OP, STATE_SSD_OP = "state_conv", "state_delta", "state_ssd"
 if not hasattr(getattr(torch.ops, NAMESPACE), STATE_CONV_OP):
     _define_state_ops()
 
@@ -117,7 +127,8 @@ class RecurrentMixer(nn.Module):
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], conv_dtype: torch.dtype, state_id: Optional[int]):
         super().__init__()
-        self.shapes, self.state_id = shapes, state_id  # shapes: "conv" [K-1, C]; a DeltaNet's "delta" [Hv, Dk, Dv]
+        # shapes: "conv" [K-1, C]; a DeltaNet's "delta" [Hv, Dk, Dv], a Mamba-2 layer's [H, N, P]
+        self.shapes, self.state_id = shapes, state_id
         self.dtypes = {"conv": conv_dtype, "delta": torch.float32}
         if state_id is None:
             for name, shape in shapes.items():
@@ -147,6 +158,14 @@ class RecurrentMixer(nn.Module):
         position = pos if pos is not None else torch.arange(q.shape[1])
         return torch.ops.llmpipe.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, self._state("delta", pos), position,
                                                   scale)
+
+    def run_ssd(self, x, dt, A_log, dt_bias, B, C, D, dt_min: float, dt_max: float) -> torch.Tensor:
+        pos, runtime = self._step()
+        if runtime:
+            return torch.ops.llmpipe.state_ssd(x, dt, A_log, dt_bias, B, C, D, pos, self.state_id, dt_min, dt_max)
+        position = pos if pos is not None else torch.arange(x.shape[1])
+        return torch.ops.llmpipe.ssd_scan(x, dt, A_log, dt_bias, B, C, D, self._state("delta", pos), position, dt_min,
+                                          dt_max)
 
     def reset(self) -> None:
         for b in self.buffers(recurse=False):
@@ -204,6 +223,32 @@ class ShortConvMixer(RecurrentMixer):
         return out(C * self.run_conv(B * x, conv, "none"))
 
 
+class Mamba2Mixer(RecurrentMixer):
+    """A Mamba-2 layer: in_proj -> z | x,B,C | dt; x,B,C through the causal conv (silu); the SSD scan per head; the
+    gated norm of y with z (grouped, gate before norm); out_proj. The dims are the HF mixer's own attributes."""
+
+    def __init__(self, hf: nn.Module, spec: archs.Mamba2, config, dtype: torch.dtype, state_id: Optional[int] = None):
+        self.heads, self.head_dim, self.groups = hf.num_heads, hf.head_dim, hf.n_groups
+        self.state_size, self.inner, self.conv_dim = hf.ssm_state_size, hf.intermediate_size, hf.conv_dim
+        super().__init__({"conv": (hf.conv_kernel_size - 1, self.conv_dim),
+                          "delta": (self.heads, self.state_size, self.head_dim)}, dtype, state_id)
+        low, high = hf.time_step_limit or (0.0, float("inf"))
+        self.dt_limits = (float(low), min(float(high), ssd.DT_MAX))
+        self.names = (spec.in_proj, spec.conv, spec.norm, spec.out)
+        for name in self.names:
+            setattr(self, name, hf.get_submodule(name))
+        self.A_log, self.dt_bias, self.D = hf.A_log, hf.dt_bias, hf.D
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        in_proj, conv, norm, out = (getattr(self, n) for n in self.names)
+        T, G, N = hidden_states.shape[1], self.groups, self.state_size
+        z, xbc, dt = in_proj(hidden_states).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        x, B, C = self.run_conv(xbc, conv, "silu").split([self.inner, G * N, G * N], dim=-1)
+        y = self.run_ssd(x.reshape(1, T, self.heads, self.head_dim), dt, self.A_log.float(), self.dt_bias.float(),
+                         B.reshape(1, T, G, N), C.reshape(1, T, G, N), self.D.float(), *self.dt_limits)
+        return out(norm(y.reshape(1, T, self.inner), z))
+
+
 def install_mixers(model: nn.Module, dtype: torch.dtype, runtime_state: bool = False) -> list[RecurrentMixer]:
     """Replace every recurrent layer's token mixer of an HF causal LM by ours: state buffers (the conv's in `dtype`,
     the delta rule's in fp32), or with `runtime_state` state ids 0, 1, ... into the off-graph cache. Returns them, in
@@ -217,8 +262,12 @@ def install_mixers(model: nn.Module, dtype: torch.dtype, runtime_state: bool = F
         path = arch.mixer_path(kind)
         hf = layer.get_submodule(path)
         state_id = len(mixers) if runtime_state else None
-        mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype, state_id) if kind == "linear_attention" else \
-            ShortConvMixer(hf, arch.short_conv, config, dtype, state_id)
+        if kind == "linear_attention":
+            mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype, state_id)
+        elif kind == "mamba":
+            mixer = Mamba2Mixer(hf, arch.mamba2, config, dtype, state_id)
+        else:
+            mixer = ShortConvMixer(hf, arch.short_conv, config, dtype, state_id)
         setattr(layer, path, mixer)
         mixers.append(mixer)
     return mixers
@@ -242,13 +291,14 @@ def step_positions(module: nn.Module, positions: torch.Tensor):
 
 
 # get_layer_kinds codes: what each layer keeps from step to step
-LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3}
+LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3, "mamba": 4}
 
 
 def state_methods(text_config, rings: bool) -> dict:
     """The constant methods that publish a model's recurrent state ({} without recurrent layers): get_layer_kinds
-    (per layer, LAYER_KIND_CODES) and get_state_shapes (per recurrent layer: value heads, key dim, value dim of a
-    Gated DeltaNet's matrix, 0 0 0 for a short conv; then its conv state's rows and channels)."""
+    (per layer, LAYER_KIND_CODES) and get_state_shapes (per recurrent layer: the three dims of its matrix state, a
+    Gated DeltaNet's value heads, key dim, value dim or a Mamba-2 layer's heads, state size, head dim; 0 0 0 for a
+    short conv; then its conv state's rows and channels)."""
     from pipeline.model.geometry import from_config
     g = from_config(text_config)
     if not g.recurrent:

@@ -60,10 +60,10 @@ def _attention_inputs(a: archs.Arch, attn: nn.Module) -> list:
 
 def _recurrent_inputs(a: archs.Arch, kind: str, layer: nn.Module) -> list:
     """A recurrent layer's input projections (they read the attention's norm). Its output projection reads a gated
-    norm (Gated DeltaNet) or a product C * conv (short conv): it is left alone."""
+    norm (Gated DeltaNet, Mamba-2) or a product C * conv (short conv): it is left alone."""
     mixer = layer.get_submodule(a.mixer_path(kind))
     names = (a.gated_delta.qkv, a.gated_delta.z, a.gated_delta.b, a.gated_delta.a) if kind == "linear_attention" \
-        else (a.short_conv.in_proj,)
+        else (a.mamba2.in_proj,) if kind == "mamba" else (a.short_conv.in_proj,)
     return [m for m in (_linear(mixer, n) for n in names) if m]
 
 
@@ -75,9 +75,9 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
         bank = getattr(mlp, a.experts.bank)
         weight = (getattr(router, a.experts.router_linear) if a.experts.router_linear else router).weight
         readers = [weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
-        shared = getattr(mlp, a.experts.shared, None) if a.experts.shared else None
+        shared = a.shared_expert(layer)
         if shared is not None:  # the shared expert and its gate read the same input
-            readers += [getattr(shared, a.mlp.gate).weight, getattr(shared, a.mlp.up).weight]
+            readers += [getattr(shared, n).weight for n in ((a.mlp.gate_up,) if a.mlp.gate_up else (a.mlp.gate, a.mlp.up))]
             if a.experts.shared_gate:
                 readers.append(getattr(mlp, a.experts.shared_gate).weight)
         return router, readers
@@ -96,10 +96,11 @@ def _down_groups(a: archs.Arch, i: int, layer: nn.Module) -> list[Group]:
         bank = getattr(mlp, a.experts.bank)
         groups = [Group(f"{i}.down.{e}", x.down_proj, [x.down_proj.weight], rows=Rows(x.up_proj))
                   for e, x in enumerate(bank)]
-        shared = getattr(mlp, a.experts.shared, None) if a.experts.shared else None
+        shared = a.shared_expert(layer)
         if shared is not None:
-            down = getattr(shared, a.mlp.down)
-            groups.append(Group(f"{i}.down.shared", down, [down.weight], rows=Rows(getattr(shared, a.mlp.up))))
+            down, fused = getattr(shared, a.mlp.down), _linear(shared, a.mlp.gate_up)
+            up = Rows(fused, fused.out_features // 2, fused.out_features) if fused else Rows(getattr(shared, a.mlp.up))
+            groups.append(Group(f"{i}.down.shared", down, [down.weight], rows=up))
         return groups
     down = _linear(mlp, a.mlp.down)
     if not a.mlp.gate and not a.mlp.gate_up:
