@@ -7,7 +7,6 @@ The C++ twin of `attend_gathered` is native/src/kernels/kv_attention.cpp (one co
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Optional
 
 import torch
@@ -54,19 +53,19 @@ def check_step(op: str, q, k, v, position) -> tuple[int, int]:
     return pos, T
 
 
-# the step's positions [1,T] while a wrapper runs the model: for a decoder layer that does not hand HF's position_ids
-# on to its attention (Granite-4.0-H's)
-_STEP_POSITIONS: contextvars.ContextVar = contextvars.ContextVar("llmpipe_step_positions", default=None)
+# the step's positions [1,T] while a wrapper runs the model, for a decoder layer that does not hand HF's
+# position_ids on to its attention (Granite-4.0-H's); a plain dict, which torch.export's tracer follows
+_STEP: dict = {}
 
 
 @contextlib.contextmanager
 def step_positions(positions: torch.Tensor):
     """Publish the step's positions [1,T] to the attention functions for the duration of one model call."""
-    token = _STEP_POSITIONS.set(positions)
+    _STEP["positions"] = positions
     try:
         yield
     finally:
-        _STEP_POSITIONS.reset(token)
+        _STEP.pop("positions", None)
 
 
 def step_args(op: str, query: torch.Tensor, scaling, kwargs) -> tuple[torch.Tensor, float]:
@@ -75,7 +74,7 @@ def step_args(op: str, query: torch.Tensor, scaling, kwargs) -> tuple[torch.Tens
     (HF's default when None)."""
     positions = kwargs.get("position_ids")
     if positions is None:
-        positions = _STEP_POSITIONS.get()
+        positions = _STEP.get("positions")
     if positions is None:
         raise RuntimeError(f"{op} attention needs position_ids (the wrapper passes positions[None])")
     return positions, float(scaling if scaling is not None else query.shape[-1] ** -0.5)

@@ -1,5 +1,6 @@
 """The MLX delegate's elementwise math instructions that only some families' programs hold (a part of
-ops.Interpreter): Apertus' xIELU (expm1), ERNIE 4.5 MoE's clamped normalization (clip), and their kin."""
+ops.Interpreter): Apertus' xIELU (expm1), ERNIE 4.5 MoE's clamped normalization (clip), Mamba-2's cumulative
+decay (cumsum), and their kin."""
 from __future__ import annotations
 
 from pipeline.runtimes.mlx.payload import _mx
@@ -36,3 +37,8 @@ class MathOps:
     def op_ClipNode(self, n, st):  # either bound may be absent (a clamp(min=...))
         lo, hi = (st.tensor(n[k]) if n.get(k) is not None else None for k in ("a_min", "a_max"))
         st.t[_tid(n["out"])] = _mx().clip(st.tensor(n["x"]), lo, hi)
+
+    def op_CumsumNode(self, n, st):  # Mamba-2's cumulative log decay
+        axis = int(n.get("axis") or 0)
+        st.t[_tid(n["out"])] = _mx().cumsum(st.tensor(n["x"]), axis=axis, reverse=bool(n.get("reverse", False)),
+                                            inclusive=bool(n.get("inclusive", True)))
