@@ -1,8 +1,8 @@
-"""Recurrent layers (pipeline/model/layers/recurrent.py) on tiny Qwen3.5, Qwen3-Next and LFM2 models: each cache mode's
-wrapper against HF's own uncached forward, every row of a prompt several chunks long, at chunks of 1, 7 and the
-default's; a step at 0 starts over; the HF model called alone leaves the state as it was; a step back is refused; the
-program's published layer kinds; what preflight refuses; Qwen3-Next's fused projections split at load, and its
-shared expert's gate kept float."""
+"""Recurrent layers (pipeline/model/layers/recurrent.py) on tiny Qwen3.5, Qwen3-Next, LFM2, Bamba and Granite-4.0-H
+models: each cache mode's wrapper against HF's own uncached forward, every row of a prompt several chunks long, at
+chunks of 1, 7 and the default's; a step at 0 starts over; the HF model called alone leaves the state as it was; a step
+back is refused; the program's published layer kinds; what preflight refuses; Qwen3-Next's fused projections split at
+load, and its shared expert's gate kept float."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from pipeline.model.layers.exportable import make_exportable
 from tests.helpers import compose_cfg
 from tests.model.test_archs import tiny_model, tiny_overrides
 
-HYBRIDS = ["qwen3_5_text", "qwen3_next", "lfm2"]
+HYBRIDS = ["qwen3_5_text", "qwen3_next", "lfm2", "bamba", "granitemoehybrid"]
 N = 300
 
 

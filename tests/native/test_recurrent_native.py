@@ -1,10 +1,10 @@
 """The C++ runners on programs with recurrent layers (tiny random hybrids, built by the pipeline):
 - llm_runner, in-graph (custom) and off-graph: the [cache] line names each layer's kind, a rewind is refused but to 0
   (the state holds its current position only);
-- llm_batched_runner (both cache kinds) on off-graph LFM2 and Qwen3.5 with a prefill chunk of 8, so prompts take
-  several chunks and sessions share forwards: its tokens equal llm_runner's and python -m pipeline generate's; the
-  prefix cache's snapshot resumes at the position its state holds (the prompt less its last token), and an entry
-  whose state is elsewhere is refused with the reason, the prompt prefilled in full."""
+- llm_batched_runner (both cache kinds) on off-graph LFM2, Qwen3.5 and Bamba (Mamba-2) with a prefill chunk of 8, so
+  prompts take several chunks and sessions share forwards: its tokens equal llm_runner's and python -m pipeline
+  generate's; the prefix cache's snapshot resumes at the position its state holds (the prompt less its last token),
+  and an entry whose state is elsewhere is refused with the reason, the prompt prefilled in full."""
 from __future__ import annotations
 
 import subprocess
@@ -81,7 +81,7 @@ PROMPTS = [A, [(i * 11) % 200 + 7 for i in range(13)], A[:20] + [99], [5, 4, 3, 
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_5_text", "bamba"])
 def chunked_hybrid(request) -> dict:
     m = build_family(request.param, "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8")
     assert m["status"] == "ok", m.get("error")
@@ -112,8 +112,9 @@ def test_batched_sessions_equal_the_runner_and_generate(kind, batched_bins, chun
     assert tokens(gens) == [single(p) for p in PROMPTS] == [generate(chunked_hybrid, p) for p in PROMPTS]
     assert engine["peak_sessions"] == 4 and engine["failed"] == 0
     assert engine["prefill_tokens"] == sum(map(len, PROMPTS))
-    qwen = chunked_hybrid["config"]["model"]["random"]["arch"] == "qwen3_5_text"
-    assert ("4 layers: 3 deltanet(4x16x16) + 1 flat" if qwen else "4 layers: 2 conv(2x64) + 2 flat") in proc.stderr
+    layers = {"qwen3_5_text": "4 layers: 3 matrix(4x16x16) + 1 flat", "lfm2": "4 layers: 2 conv(2x64) + 2 flat",
+              "bamba": "4 layers: 2 matrix(8x16x16) + 2 flat"}
+    assert layers[chunked_hybrid["config"]["model"]["random"]["arch"]] in proc.stderr
 
 
 @pytest.mark.parametrize("kind", KINDS)

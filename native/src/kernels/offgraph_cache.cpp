@@ -194,7 +194,7 @@ std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values) {
 
 std::string state_name(const StateSpec& s) {
   if (s.heads == 0) return "conv(" + std::to_string(s.conv_rows) + "x" + std::to_string(s.conv_channels) + ")";
-  return "deltanet(" + std::to_string(s.heads) + "x" + std::to_string(s.key_dim) + "x" + std::to_string(s.value_dim) +
+  return "matrix(" + std::to_string(s.heads) + "x" + std::to_string(s.key_dim) + "x" + std::to_string(s.value_dim) +
          ")";
 }
 
@@ -249,7 +249,7 @@ std::string state_line(const std::vector<StateSpec>& specs, bool runtime_owned) 
 }
 
 std::string state_counts(const std::vector<StateSpec>& specs) {
-  std::map<std::string, int> n;  // e.g. deltanet(16x128x128), conv(3x1024)
+  std::map<std::string, int> n;  // e.g. matrix(16x128x128), conv(3x1024)
   for (const StateSpec& sp : specs) ++n[state_name(sp)];
   std::string s;
   for (auto& [name, count] : n) s += std::to_string(count) + " " + name + " + ";

@@ -74,9 +74,10 @@ struct StateSpec {
 // The states a program lists in get_state_shapes, five values each (heads, key dim, value dim, conv rows, conv
 // channels); throws std::invalid_argument when the count is not a multiple of five.
 std::vector<StateSpec> state_specs(const int64_t* dims, size_t n_values);
-// The report's name of a state: "deltanet(HxDkxDv)", or "conv(RxC)" for a short conv's.
+// The report's name of a state: "matrix(HxDkxDv)" (a Gated DeltaNet's or a Mamba-2 layer's), or "conv(RxC)" for a
+// short conv's.
 std::string state_name(const StateSpec& s);
-// The layer line's part for these states, e.g. "3 deltanet(4x16x16) + " ("" for none).
+// The layer line's part for these states, e.g. "3 matrix(4x16x16) + " ("" for none).
 std::string state_counts(const std::vector<StateSpec>& specs);
 // The report's line for them: "[cache] recurrent state fp32 | 3.0 KiB per sequence, whatever the depth (...)" ("" for
 // none), held by the runtime (what the --kv-* flags do not size) or in the program's buffers.

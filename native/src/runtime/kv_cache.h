@@ -128,7 +128,7 @@ class InGraphCache final : public KvCacheOwner {
   }
 
  private:
-  // e.g. "4 layers: 3 deltanet(4x16x16) + 1 flat", kinds counted in order of first appearance
+  // e.g. "4 layers: 3 matrix(4x16x16) + 1 flat", kinds counted in order of first appearance
   std::string describe_layers() const {
     std::vector<std::pair<std::string, int>> counts;
     size_t state = 0;

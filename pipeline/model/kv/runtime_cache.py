@@ -266,7 +266,7 @@ class OffgraphCache:
         dt = DTYPE_LABELS.get(self.dtype, str(self.dtype))
         kinds: dict[str, int] = {}
         for s in self.states:  # sorted by name, as the C++ report does
-            name = f"deltanet({'x'.join(map(str, s['delta'].shape))})" if "delta" in s else \
+            name = f"matrix({'x'.join(map(str, s['delta'].shape))})" if "delta" in s else \
                 f"conv({'x'.join(map(str, s['conv'].shape))})"
             kinds[name] = kinds.get(name, 0) + 1
         state_txt = "".join(f"{kinds[k]} {k} + " for k in sorted(kinds))
