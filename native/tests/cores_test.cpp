@@ -5,7 +5,10 @@
 //   delta: T Hk Hv Dk Dv pos scale, delta_{q,k}.f32 [T,Hk,Dk], delta_v.f32 [T,Hv,Dv], delta_{a,b}.f32 [T,Hv],
 //          delta_{A_log,dt_bias}.f32 [Hv], delta_state.f32 [Hv,Dk,Dv]
 //   conv: T C K pos silu, conv_x.f32 [T,C], conv_w.f32 [C,K], conv_bias.f32 [C], conv_state.f32 [K-1,C]
-// OUT_DIR: per path P, tied_P.f32, delta_out_P.f32, delta_state_P.f32, conv_out_P.f32, conv_state_P.f32, and
+//   ssd: T H P G N pos, ssd_x.f32 [T,H,P], ssd_dt.f32 [T,H], ssd_{A_log,dt_bias,D}.f32 [H], ssd_{B,C}.f32 [T,G,N],
+//        ssd_state.f32 [H,N,P]
+// OUT_DIR: per path P, tied_P.f32, delta_out_P.f32, delta_state_P.f32, conv_out_P.f32, conv_state_P.f32,
+// ssd_out_P.f32, ssd_state_P.f32, and
 // experts_P.f32 (three projections of an expert on inputs made here: int8 weights with dynamic int8 activations,
 // 4-bit weights in groups, fp32 weights), for the Python test to hold against its twins.
 // Prints "paths: ..." and, per kernel and path, "ok <kernel> <path>: ..." or "FAIL ...": the tied head's and the
@@ -139,6 +142,12 @@ int main(int argc, char** argv) {
   auto cx = read<float>("conv_x.f32", cT * C), cw = read<float>("conv_w.f32", C * K);
   auto cb = read<float>("conv_bias.f32", C), cstate0 = read<float>("conv_state.f32", (K - 1) * C);
 
+  const int64_t sT = d["ssd_T"], sH = d["ssd_H"], sP = d["ssd_P"], sG = d["ssd_G"], sN = d["ssd_N"];
+  auto sx = read<float>("ssd_x.f32", sT * sH * sP), sdt = read<float>("ssd_dt.f32", sT * sH);
+  auto sA = read<float>("ssd_A_log.f32", sH), sbias = read<float>("ssd_dt_bias.f32", sH);
+  auto sD = read<float>("ssd_D.f32", sH), sB = read<float>("ssd_B.f32", sT * sG * sN);
+  auto sC = read<float>("ssd_C.f32", sT * sG * sN), sstate0 = read<float>("ssd_state.f32", sH * sN * sP);
+
   std::map<std::string, std::vector<float>> scalar;
   std::string names;
   for (Isa path : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::neon, Isa::dotprod}) {
@@ -167,6 +176,16 @@ int main(int argc, char** argv) {
     cs.pos = d["conv_pos"], cs.T = cT, cs.C = C, cs.K = K, cs.silu = d["conv_silu"] != 0;
     got["conv_state"] = cstate0;
     c->run_conv(cs, got["conv_state"].data());
+
+    llmrt::recurrent::SsdStep ss;
+    ss.x = sx.data(), ss.dt = sdt.data(), ss.A_log = sA.data(), ss.dt_bias = sbias.data();
+    ss.B = sB.data(), ss.C = sC.data(), ss.D = sD.data();
+    got["ssd_out"].resize(sT * sH * sP);
+    ss.out = got["ssd_out"].data();
+    ss.pos = d["ssd_pos"], ss.T = sT, ss.H = sH, ss.P = sP, ss.G = sG, ss.N = sN;
+    ss.dt_min = 0.f, ss.dt_max = 3.4e38f;
+    got["ssd_state"] = sstate0;
+    c->run_ssd(ss, got["ssd_state"].data());
 
     got["experts"] = run_experts(*c);
     for (const auto& [name, values] : got) {

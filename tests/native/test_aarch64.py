@@ -9,7 +9,8 @@
 - the aarch64 llm_runner's greedy tokens (--chat 0, --prompt-ids, 8 tokens) against the x86 runner's: the tiny
   programs of tiny_programs and og_programs (in-graph fp32 and 8da4w Llamas, the weightless counters, the off-graph
   Llama and Gemma 3 with its rings), and tiny ones the pipeline builds for the CI tier's own tests (custom cache with
-  rings, recurrent hybrids with short convolutions and gated delta layers, mixtures of experts); llm_batched_runner;
+  rings, recurrent hybrids with short convolutions, gated delta and Mamba-2 layers, mixtures of experts);
+  llm_batched_runner;
 - slow tier: the default SmolLM2 program under QEMU answers "Paris" with x86's tokens.
 
 Is exact equality expected? XNNPACK's x86 (AVX2/AVX-512) and ARM (NEON) fp32 kernels sum in other orders, and so do
@@ -104,9 +105,9 @@ def test_attention_test_runs_every_case_on_every_path(attention_results):
 
 
 def test_every_arm_paths_cores_equal_the_twins_and_x86(aarch64, native_bins, tmp_path):
-    """cores_test under QEMU: every ARM64 path's tied head, experts, gated delta and causal conv (the neon and dotprod
-    paths' integer kernels equal the scalar path's bits), each against the Python twins; the exact-integer kernels also
-    equal x86's bits (the tied head, and the experts as x86's scalar path computes them)."""
+    """cores_test under QEMU: every ARM64 path's tied head, experts, gated delta, causal conv and SSD scan (the neon and
+    dotprod paths' integer kernels equal the scalar path's bits), each against the Python twins; the exact-integer
+    kernels also equal x86's bits (the tied head, and the experts as x86's scalar path computes them)."""
     from cores_inputs import check_against_twins, output, write_inputs
     inputs, arm, x86 = tmp_path / "in", tmp_path / "arm", tmp_path / "x86"
     for d in (inputs, arm, x86):
@@ -244,6 +245,8 @@ BUILT = {
     "lfm2-custom": lambda: _family("lfm2", "xnnpack", "custom", "fp32"),
     # gated delta rule layers over the runtime's state (llmpipe::state_delta.out) (test_recurrent_native.py)
     "qwen3_5-offgraph": lambda: _family("qwen3_5_text", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8"),
+    # Mamba-2 layers over the runtime's state (llmpipe::state_ssd.out) (test_recurrent_native.py)
+    "bamba-offgraph": lambda: _family("bamba", "xnnpack", "offgraph", "fp32", "export.prefill_chunk=8"),
     # a mixture of experts (llmpipe::experts.out), off-graph cache (test_families.py CI_CELLS)
     "qwen3_moe-offgraph": lambda: _family("qwen3_moe", "xnnpack", "offgraph", "fp32"),
     # experts + attention sinks, cache in the program
