@@ -46,7 +46,8 @@ def layout(a: Arch) -> str:
     if a.short_conv:
         parts.append("short-conv layers (recurrent state)")
     if a.mamba2:
-        parts.append("Mamba-2 layers (recurrent state)")
+        parts.append("Mamba-2 beside attention in every layer (recurrent state)" if a.mamba2.parallel else
+                     "Mamba-2 layers (recurrent state)")
     if at.output_gate:
         parts.append("gated attention output")
     fused = [n for n in (at.qkv, a.mlp.gate_up) if n]
@@ -91,10 +92,6 @@ def table(markdown: bool) -> str:
                  " (the experts take every one; the router and a shared expert's gate stay in float). fp32 under the "
                  "exact gate, the backend's default quantization under its gate, C++ runner tokens equal to the Python "
                  "runtime's on XNNPACK (stock: up to near-ties, the runner on twins of ExecuTorch's llama:: kernels).")
-    notes.append("Not in the registry yet: Falcon-H1 (`falcon_h1`: Mamba-2 heads beside attention in every layer) "
-                 "needs a Mamba-2 state kind (per head a head dim x state size matrix, plus its conv), the SSD scan "
-                 "as a kernel with its Python twin, and a mixer that sums the two paths; preflight refuses it by "
-                 "name until then.")
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]

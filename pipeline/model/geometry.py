@@ -83,7 +83,7 @@ class Geometry:
     @property
     def recurrent(self) -> bool:
         """Has layers with a recurrent state (which a step cannot take back)."""
-        return any(t in archs.RECURRENT_KINDS for t in self.layer_types)
+        return any(t in archs.STATE_KINDS for t in self.layer_types)
 
     def kind(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
@@ -107,7 +107,7 @@ class Geometry:
                     "delta": (self.delta_value_heads, self.delta_key_dim, self.delta_value_dim)}
         if kind == "conv":
             return {"conv": (self.conv_kernel - 1, self.hidden_size)}
-        if kind == "mamba":
+        if kind in ("mamba", "hybrid"):
             return {"conv": (self.mamba_conv_kernel - 1, self.mamba_conv_channels),
                     "delta": (self.mamba_heads, self.mamba_state, self.mamba_head_dim)}
         return {}
@@ -121,6 +121,8 @@ class Geometry:
             out.update(self._delta_linears(a, i) if kind == "linear_attention" else
                        self._conv_linears(a, i) if kind == "conv" else
                        self._mamba_linears(a, i) if kind == "mamba" else self._attention_linears(a, i))
+            if kind == "hybrid":
+                out.update(self._mamba_linears(a, i))
             out.update(self._mlp_linears(a, i))
             if self.per_layer_input:
                 out[f"{a.layers}.{i}.per_layer_input_gate"] = (self.per_layer_input, h, "per_layer")
@@ -205,7 +207,7 @@ class Geometry:
                     + self.delta_value_dim
             elif self.kind(i) == "conv":
                 total += self.hidden_size * self.conv_kernel
-            elif self.kind(i) == "mamba":  # conv weights and bias; A_log, dt_bias, D; the gated norm
+            elif self.kind(i) in ("mamba", "hybrid"):  # conv weights and bias; A_log, dt_bias, D; the gated norm
                 total += self.mamba_conv_channels * (self.mamba_conv_kernel + 1) + 3 * self.mamba_heads \
                     + self.mamba_heads * self.mamba_head_dim
         return total

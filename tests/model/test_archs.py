@@ -32,7 +32,11 @@ VARIANTS = {"llama3_rope": ("llama", {"rope_parameters": {
     "hunyuan_alpha_rope": ("hunyuan_v1_dense", {"rope_parameters": {
         "rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}}),
     # ERNIE 4.5 MoE without shared experts
-    "ernie4_5_moe_unshared": ("ernie4_5_moe", {"moe_num_shared_experts": 0})}
+    "ernie4_5_moe_unshared": ("ernie4_5_moe", {"moe_num_shared_experts": 0}),
+    # Falcon-H1 with the mixer's gated norm (its released models leave it off: y * silu(z))
+    "falcon_h1_rms_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False}),
+    # Granite-4.0-H as released: attention without rotary
+    "granitemoehybrid_nope": ("granitemoehybrid", {"position_embedding_type": "nope"})}
 TYPES = sorted(archs.ARCHS) + sorted(VARIANTS)
 
 

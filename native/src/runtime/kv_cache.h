@@ -61,7 +61,8 @@ class InGraphCache final : public KvCacheOwner {
   struct Ring {
     int64_t window = 0, slots = 0;
   };
-  // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv; per recurrent layer its state.
+  // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv, 4 Mamba-2, 5 attention beside Mamba-2
+  // (Falcon-H1); per layer of kind >= 2 its state.
   struct Layers {
     std::vector<int64_t> kinds;
     std::vector<offgraph::StateSpec> states;

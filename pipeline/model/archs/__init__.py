@@ -23,6 +23,10 @@ from pipeline.errors import PipelineError
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # the layer kinds whose state is a fixed-size recurrent one (an entry declares which it has); any other is refused
 RECURRENT_KINDS = ("linear_attention", "conv", "mamba")
+# attention and a Mamba-2 mixer side by side in one layer (Falcon-H1): a K/V cache and a recurrent state
+PARALLEL_KINDS = ("hybrid",)
+# the layer kinds with a recurrent state
+STATE_KINDS = RECURRENT_KINDS + PARALLEL_KINDS
 # the names of one expert's linears after the rewrite (model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
@@ -161,6 +165,7 @@ class Mamba2:
     state_key: str = "mamba_d_state"
     kernel_key: str = "mamba_d_conv"
     activation_key: str = "hidden_act"  # the conv's activation: silu is what the op runs
+    parallel: bool = False             # beside the attention in every layer (Falcon-H1's `hybrid` layers)
 
 
 def mamba_layer_kinds(config) -> list[str]:
@@ -238,15 +243,17 @@ class Arch:
                 if kind not in RECURRENT_KINDS]
 
     def recurrent_kinds(self) -> tuple[str, ...]:
-        """The recurrent layer kinds this entry declares (archs.RECURRENT_KINDS)."""
-        return (("linear_attention",) if self.gated_delta else ()) + (("conv",) if self.short_conv else ()) + \
-            (("mamba",) if self.mamba2 else ())
+        """The layer kinds with a recurrent state this entry declares (archs.STATE_KINDS)."""
+        mamba = (("hybrid",) if self.mamba2.parallel else ("mamba",)) if self.mamba2 else ()
+        return (("linear_attention",) if self.gated_delta else ()) + (("conv",) if self.short_conv else ()) + mamba
 
     def mixer_path(self, kind: str) -> str:
-        """Where a layer of this kind keeps its token mixer: the attention, or a recurrent layer's block."""
+        """Where a layer of this kind keeps its token mixer: the attention, or a recurrent layer's block (a `hybrid`
+        layer's recurrent one)."""
         return {"linear_attention": self.gated_delta.path if self.gated_delta else None,
                 "conv": self.short_conv.path if self.short_conv else None,
-                "mamba": self.mamba2.path if self.mamba2 else None}.get(kind, self.attention.path)
+                "mamba": self.mamba2.path if self.mamba2 else None,
+                "hybrid": self.mamba2.path if self.mamba2 else None}.get(kind, self.attention.path)
 
     def mlp_module(self, layer):
         return layer.get_submodule(self.mlp.path)

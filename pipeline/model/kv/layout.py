@@ -25,7 +25,8 @@ class LayerSpec:
 class CacheLayout:
     """layer -> cache index, and one LayerSpec per cache. A KV-shared layer (Gemma 4's trailing
     `num_kv_shared_layers`) has no cache of its own: it maps to its source layer's cache and only reads it. A
-    recurrent layer (archs.RECURRENT_KINDS) has no K/V: it maps to -1 (its state: model/layers/recurrent.py)."""
+    recurrent layer (archs.RECURRENT_KINDS) has no K/V: it maps to -1 (its state: model/layers/recurrent.py); a
+    `hybrid` layer (Falcon-H1) has both."""
     layer_cache: list[int]
     specs: list[LayerSpec]
     readonly: list[bool] = field(default_factory=list)  # per layer: attends over another layer's cache

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from pipeline.model import archs
 from pipeline.model.layers import gated_delta  # noqa: F401 (defines llmpipe::gated_delta_rule)
@@ -225,7 +226,8 @@ class ShortConvMixer(RecurrentMixer):
 
 class Mamba2Mixer(RecurrentMixer):
     """A Mamba-2 layer: in_proj -> z | x,B,C | dt; x,B,C through the causal conv (silu); the SSD scan per head; the
-    gated norm of y with z (grouped, gate before norm); out_proj. The dims are the HF mixer's own attributes."""
+    gated norm of y with z (HF's module: grouped, the gate before or after the norm); out_proj. The dims are the HF
+    mixer's own attributes."""
 
     def __init__(self, hf: nn.Module, spec: archs.Mamba2, config, dtype: torch.dtype, state_id: Optional[int] = None):
         self.heads, self.head_dim, self.groups = hf.num_heads, hf.head_dim, hf.n_groups
@@ -238,15 +240,25 @@ class Mamba2Mixer(RecurrentMixer):
         for name in self.names:
             setattr(self, name, hf.get_submodule(name))
         self.A_log, self.dt_bias, self.D = hf.A_log, hf.dt_bias, hf.D
+        # Falcon-H1: its input and projection multipliers (muP), and no norm unless mamba_rms_norm (y * silu(z))
+        self.in_multiplier = float(getattr(hf, "ssm_in_multiplier", 1.0))
+        self.mup_vector = getattr(hf, "mup_vector", None)
+        self.normed = bool(getattr(hf, "mamba_rms_norm", True))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         in_proj, conv, norm, out = (getattr(self, n) for n in self.names)
         T, G, N = hidden_states.shape[1], self.groups, self.state_size
-        z, xbc, dt = in_proj(hidden_states).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        if self.in_multiplier != 1.0:
+            hidden_states = hidden_states * self.in_multiplier
+        projected = in_proj(hidden_states)
+        if self.mup_vector is not None:
+            projected = projected * self.mup_vector
+        z, xbc, dt = projected.split([self.inner, self.conv_dim, self.heads], dim=-1)
         x, B, C = self.run_conv(xbc, conv, "silu").split([self.inner, G * N, G * N], dim=-1)
         y = self.run_ssd(x.reshape(1, T, self.heads, self.head_dim), dt, self.A_log.float(), self.dt_bias.float(),
                          B.reshape(1, T, G, N), C.reshape(1, T, G, N), self.D.float(), *self.dt_limits)
-        return out(norm(y.reshape(1, T, self.inner), z))
+        y = y.reshape(1, T, self.inner)
+        return out(norm(y, z) if self.normed else y * F.silu(z))
 
 
 def install_mixers(model: nn.Module, dtype: torch.dtype, runtime_state: bool = False) -> list[RecurrentMixer]:
@@ -257,14 +269,14 @@ def install_mixers(model: nn.Module, dtype: torch.dtype, runtime_state: bool = F
     config = model.config.get_text_config()
     mixers = []
     for layer, kind in zip(arch.decoder_layers(model), arch.layer_kinds(config)):
-        if kind not in archs.RECURRENT_KINDS:
+        if kind not in archs.STATE_KINDS:
             continue
         path = arch.mixer_path(kind)
         hf = layer.get_submodule(path)
         state_id = len(mixers) if runtime_state else None
         if kind == "linear_attention":
             mixer = GatedDeltaMixer(hf, arch.gated_delta, config, dtype, state_id)
-        elif kind == "mamba":
+        elif kind in ("mamba", "hybrid"):
             mixer = Mamba2Mixer(hf, arch.mamba2, config, dtype, state_id)
         else:
             mixer = ShortConvMixer(hf, arch.short_conv, config, dtype, state_id)
@@ -291,7 +303,7 @@ def step_positions(module: nn.Module, positions: torch.Tensor):
 
 
 # get_layer_kinds codes: what each layer keeps from step to step
-LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3, "mamba": 4}
+LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3, "mamba": 4, "hybrid": 5}
 
 
 def state_methods(text_config, rings: bool) -> dict:
@@ -306,7 +318,7 @@ def state_methods(text_config, rings: bool) -> dict:
     kinds, shapes = [], []
     for i in range(g.num_layers):
         kind = g.kind(i)
-        if kind in archs.RECURRENT_KINDS:
+        if kind in archs.STATE_KINDS:
             s = g.state_shapes(i)
             shapes += [*s.get("delta", (0, 0, 0)), *s["conv"]]
         else:

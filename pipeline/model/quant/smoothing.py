@@ -63,7 +63,7 @@ def _recurrent_inputs(a: archs.Arch, kind: str, layer: nn.Module) -> list:
     norm (Gated DeltaNet, Mamba-2) or a product C * conv (short conv): it is left alone."""
     mixer = layer.get_submodule(a.mixer_path(kind))
     names = (a.gated_delta.qkv, a.gated_delta.z, a.gated_delta.b, a.gated_delta.a) if kind == "linear_attention" \
-        else (a.mamba2.in_proj,) if kind == "mamba" else (a.short_conv.in_proj,)
+        else (a.mamba2.in_proj,) if kind in ("mamba", "hybrid") else (a.short_conv.in_proj,)
     return [m for m in (_linear(mixer, n) for n in names) if m]
 
 
@@ -132,6 +132,8 @@ def groups(model: nn.Module) -> list[Group]:
         recurrent = kinds[i] in archs.RECURRENT_KINDS
         attn = None if recurrent else a.attention_module(layer)
         attn_in = _recurrent_inputs(a, kinds[i], layer) if recurrent else _attention_inputs(a, attn)
+        if kinds[i] in archs.PARALLEL_KINDS:  # the Mamba-2 mixer reads the attention's norm too
+            attn_in = attn_in + _recurrent_inputs(a, kinds[i], layer)
         mlp_hook, mlp_in = _mlp_inputs(a, layer)
         n = a.norms
         if n.attention_input and attn_in:
