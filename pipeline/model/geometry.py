@@ -118,12 +118,14 @@ class Geometry:
         a, h, out = self.entry, self.hidden_size, {}
         for i in range(self.num_layers):
             kind = self.kind(i)
-            out.update(self._delta_linears(a, i) if kind == "linear_attention" else
-                       self._conv_linears(a, i) if kind == "conv" else
-                       self._mamba_linears(a, i) if kind == "mamba" else self._attention_linears(a, i))
+            if kind not in archs.MLP_KINDS:
+                out.update(self._delta_linears(a, i) if kind == "linear_attention" else
+                           self._conv_linears(a, i) if kind == "conv" else
+                           self._mamba_linears(a, i) if kind == "mamba" else self._attention_linears(a, i))
             if kind == "hybrid":
                 out.update(self._mamba_linears(a, i))
-            out.update(self._mlp_linears(a, i))
+            if a.has_mlp(kind):
+                out.update(self._mlp_linears(a, i))
             if self.per_layer_input:
                 out[f"{a.layers}.{i}.per_layer_input_gate"] = (self.per_layer_input, h, "per_layer")
                 out[f"{a.layers}.{i}.per_layer_projection"] = (h, self.per_layer_input, "per_layer")

@@ -62,13 +62,12 @@ class InGraphCache final : public KvCacheOwner {
     int64_t window = 0, slots = 0;
   };
   // Per layer: 0 flat attention, 1 ring, 2 Gated DeltaNet, 3 short conv, 4 Mamba-2, 5 attention beside Mamba-2
-  // (Falcon-H1); per layer of kind >= 2 its state.
+  // (Falcon-H1), 6 an MLP block alone (Nemotron-H); per layer of kinds 2 to 5 its state.
   struct Layers {
     std::vector<int64_t> kinds;
     std::vector<offgraph::StateSpec> states;
-    bool recurrent() const {
-      return std::any_of(kinds.begin(), kinds.end(), [](int64_t k) { return k >= 2; });
-    }
+    static bool has_state(int64_t k) { return k >= 2 && k <= 5; }
+    bool recurrent() const { return std::any_of(kinds.begin(), kinds.end(), has_state); }
   };
   explicit InGraphCache(int64_t capacity, std::vector<Ring> rings = {}, Layers layers = {})
       : capacity_(capacity), rings_(std::move(rings)), layers_(std::move(layers)) {}
@@ -134,8 +133,8 @@ class InGraphCache final : public KvCacheOwner {
     std::vector<std::pair<std::string, int>> counts;
     size_t state = 0;
     for (int64_t k : layers_.kinds) {
-      std::string name = k == 0 ? "flat" : k == 1 ? "ring" : "conv";
-      if (k >= 2 && state < layers_.states.size()) name = offgraph::state_name(layers_.states[state++]);
+      std::string name = k == 0 ? "flat" : k == 1 ? "ring" : k == 6 ? "mlp" : "conv";
+      if (Layers::has_state(k) && state < layers_.states.size()) name = offgraph::state_name(layers_.states[state++]);
       auto it = std::find_if(counts.begin(), counts.end(), [&](const auto& c) { return c.first == name; });
       if (it == counts.end()) counts.push_back({name, 1});
       else ++it->second;

@@ -27,6 +27,8 @@ RECURRENT_KINDS = ("linear_attention", "conv", "mamba")
 PARALLEL_KINDS = ("hybrid",)
 # the layer kinds with a recurrent state
 STATE_KINDS = RECURRENT_KINDS + PARALLEL_KINDS
+# a layer that is an MLP block alone, no token mixer (Nemotron-H's `mlp` and `moe` blocks): no K/V, no state
+MLP_KINDS = ("mlp", "moe")
 # the names of one expert's linears after the rewrite (model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
@@ -208,6 +210,9 @@ class Arch:
     mamba2: Optional[Mamba2] = None                # the model's `mamba` layers
     layers: str = "model.layers"       # the decoder layers, in the causal LM
     layer_kinds: Callable = field(default=_config_layer_kinds)
+    # each layer is one block behind one norm: a token mixer (attention, Mamba-2) or an MLP (MLP_KINDS), at the same
+    # path (Nemotron-H's `mixer`)
+    blocks: bool = False
     # what HF's forward applies and the entry only records (the support table; preflight's refusals)
     rotary: str = "rope"               # e.g. "rope, partial", "rope; NoPE layers"
     embedding_scale: str = ""          # e.g. "sqrt(hidden)" (Gemma), "embedding_multiplier" (Granite)
@@ -240,7 +245,11 @@ class Arch:
         """(index, decoder layer) of every layer whose token mixer is attention (not a recurrent layer)."""
         kinds = self.layer_kinds(model.config.get_text_config())
         return [(i, layer) for i, (layer, kind) in enumerate(zip(self.decoder_layers(model), kinds))
-                if kind not in RECURRENT_KINDS]
+                if kind not in RECURRENT_KINDS + MLP_KINDS]
+
+    def has_mlp(self, kind: str) -> bool:
+        """Does a layer of this kind hold an MLP block (every layer, but a block model's mixer layers)?"""
+        return not self.blocks or kind in MLP_KINDS
 
     def recurrent_kinds(self) -> tuple[str, ...]:
         """The layer kinds with a recurrent state this entry declares (archs.STATE_KINDS)."""
@@ -284,7 +293,7 @@ class Arch:
         if self.mamba2 is not None and getattr(config, self.mamba2.activation_key, "silu") != "silu":
             out.append((self.mamba2.activation_key, getattr(config, self.mamba2.activation_key),
                         "the Mamba-2 conv runs silu: allowed ['silu']"))
-        known = ATTENTION_KINDS + self.recurrent_kinds()
+        known = ATTENTION_KINDS + self.recurrent_kinds() + (MLP_KINDS[:1] if self.blocks else ())
         kinds = sorted(set(self.layer_kinds(config)) - set(known))
         if kinds:
             out.append(("layer_types", kinds, f"layer kinds the {self.family} entry builds: {list(known)}"))

@@ -26,7 +26,7 @@ class CacheLayout:
     """layer -> cache index, and one LayerSpec per cache. A KV-shared layer (Gemma 4's trailing
     `num_kv_shared_layers`) has no cache of its own: it maps to its source layer's cache and only reads it. A
     recurrent layer (archs.RECURRENT_KINDS) has no K/V: it maps to -1 (its state: model/layers/recurrent.py); a
-    `hybrid` layer (Falcon-H1) has both."""
+    `hybrid` layer (Falcon-H1) has both; an MLP block (Nemotron-H) neither."""
     layer_cache: list[int]
     specs: list[LayerSpec]
     readonly: list[bool] = field(default_factory=list)  # per layer: attends over another layer's cache
@@ -74,7 +74,7 @@ def _layout(types: Sequence[str], window: int, sources: Sequence[int], dims: Seq
     attention_k_eq_v layers too: their values are the normed, unrotated keys, stored apart)."""
     specs, layer_cache = [], []
     for i, t in enumerate(types):
-        if t in archs.RECURRENT_KINDS:
+        if t in archs.RECURRENT_KINDS + archs.MLP_KINDS:
             layer_cache.append(-1)
             continue
         if sources[i] != i:

@@ -98,10 +98,11 @@ def _plans(model: nn.Module):
     a = archs.of_model(model)
     at, m = a.attention, a.mlp
     attending = {id(layer) for _, layer in a.attention_layers(model)}
-    for layer in a.decoder_layers(model):
+    kinds = a.layer_kinds(model.config.get_text_config())
+    for layer, kind in zip(a.decoder_layers(model), kinds):
         if not at.qkv and id(layer) in attending:
             yield a.attention_module(layer), QKV, (at.q, at.k, at.v)
-        if m.gate and not m.gate_up and not a.has_experts(layer):
+        if m.gate and not m.gate_up and a.has_mlp(kind) and not a.has_experts(layer):
             yield a.mlp_module(layer), GATE_UP, (m.gate, m.up)
 
 

@@ -303,7 +303,7 @@ def step_positions(module: nn.Module, positions: torch.Tensor):
 
 
 # get_layer_kinds codes: what each layer keeps from step to step
-LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3, "mamba": 4, "hybrid": 5}
+LAYER_KIND_CODES = {"flat": 0, "ring": 1, "linear_attention": 2, "conv": 3, "mamba": 4, "hybrid": 5, "mlp": 6}
 
 
 def state_methods(text_config, rings: bool) -> dict:
@@ -321,6 +321,8 @@ def state_methods(text_config, rings: bool) -> dict:
         if kind in archs.STATE_KINDS:
             s = g.state_shapes(i)
             shapes += [*s.get("delta", (0, 0, 0)), *s["conv"]]
+        elif kind in archs.MLP_KINDS:
+            kind = "mlp"
         else:
             kind = "ring" if rings and kind == "sliding_attention" else "flat"
         kinds.append(LAYER_KIND_CODES[kind])

@@ -129,20 +129,23 @@ def groups(model: nn.Module) -> list[Group]:
     out: list[Group] = []
     kinds = a.layer_kinds(config)
     for i, layer in enumerate(a.decoder_layers(model)):
-        recurrent = kinds[i] in archs.RECURRENT_KINDS
-        attn = None if recurrent else a.attention_module(layer)
-        attn_in = _recurrent_inputs(a, kinds[i], layer) if recurrent else _attention_inputs(a, attn)
-        if kinds[i] in archs.PARALLEL_KINDS:  # the Mamba-2 mixer reads the attention's norm too
-            attn_in = attn_in + _recurrent_inputs(a, kinds[i], layer)
-        mlp_hook, mlp_in = _mlp_inputs(a, layer)
+        kind = kinds[i]
+        mixer = kind not in archs.MLP_KINDS   # a block model's MLP layer has none
+        recurrent = kind in archs.RECURRENT_KINDS
+        attn = None if recurrent or not mixer else a.attention_module(layer)
+        attn_in = [] if not mixer else _recurrent_inputs(a, kind, layer) if recurrent else _attention_inputs(a, attn)
+        if kind in archs.PARALLEL_KINDS:  # the Mamba-2 mixer reads the attention's norm too
+            attn_in = attn_in + _recurrent_inputs(a, kind, layer)
+        mlp_hook, mlp_in = _mlp_inputs(a, layer) if a.has_mlp(kind) else (None, [])
         n = a.norms
         if n.attention_input and attn_in:
             shared = n.mlp_input == n.attention_input
             out.append(Group(f"{i}.attention", attn_in[0], [m.weight for m in attn_in] + (mlp_in if shared else []),
                              norm=getattr(layer, n.attention_input)))
-        if n.mlp_input and n.mlp_input != n.attention_input and mlp_in:
+        if n.mlp_input and (n.mlp_input != n.attention_input or not attn_in) and mlp_in:
             out.append(Group(f"{i}.mlp", mlp_hook, mlp_in, norm=getattr(layer, n.mlp_input)))
-        out += _down_groups(a, i, layer) + ([] if recurrent else _o_group(a, i, attn, config))
+        out += (_down_groups(a, i, layer) if a.has_mlp(kind) else []) + \
+            ([] if recurrent or not mixer else _o_group(a, i, attn, config))
     return out
 
 
