@@ -1,8 +1,8 @@
-"""Recurrent layers (pipeline/model/layers/recurrent.py) on tiny Qwen3.5, Qwen3-Next, LFM2, Bamba, Granite-4.0-H and
-Falcon-H1 models: each cache mode's wrapper against HF's own uncached forward, every row of a prompt several chunks
-long, at chunks of 1, 7 and the default's; a step at 0 starts over; the HF model called alone leaves the state as it
-was; a step back is refused; the program's published layer kinds; what preflight refuses; Qwen3-Next's fused
-projections split at load, and its shared expert's gate kept float."""
+"""Recurrent layers (pipeline/model/layers/recurrent.py) on tiny Qwen3.5, Qwen3-Next, LFM2, Bamba, Granite-4.0-H,
+Falcon-H1 and Nemotron-H models: each cache mode's wrapper against HF's own uncached forward, every row of a prompt
+several chunks long, at chunks of 1, 7 and the default's; a step at 0 starts over; the HF model called alone leaves
+the state as it was; a step back is refused; the program's published layer kinds; what preflight refuses; Qwen3-Next's
+fused projections split at load, and its shared expert's gate kept float."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from pipeline.model.layers.exportable import make_exportable
 from tests.helpers import compose_cfg
 from tests.model.test_archs import tiny_model, tiny_overrides
 
-HYBRIDS = ["qwen3_5_text", "qwen3_next", "lfm2", "bamba", "granitemoehybrid", "falcon_h1"]
+HYBRIDS = ["qwen3_5_text", "qwen3_next", "lfm2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h"]
 N = 300
 
 
@@ -91,7 +91,8 @@ def test_the_program_publishes_each_layer_s_kind_and_state():
     assert methods["get_layer_kinds"].tolist() == [3, 0, 3, 0]
     assert methods["get_state_shapes"].tolist() == [0, 0, 0, 2, 64] * 2
     # Mamba-2: heads x state size x head dim; conv rows x (x, B and C channels); Falcon-H1's beside attention
-    for model_type, kinds in (("bamba", [4, 0, 4, 0]), ("falcon_h1", [5] * 4)):
+    # (Nemotron-H: Mamba-2, MLP, attention, MLP blocks)
+    for model_type, kinds in (("bamba", [4, 0, 4, 0]), ("falcon_h1", [5] * 4), ("nemotron_h", [4, 6, 0, 6])):
         methods = recurrent.state_methods(tiny_model(model_type).config, rings=True)
         assert methods["get_layer_kinds"].tolist() == kinds
         assert methods["get_state_shapes"].tolist() == [8, 16, 16, 3, 128 + 2 * 2 * 16] * kinds.count(kinds[0])
