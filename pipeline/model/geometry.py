@@ -175,14 +175,15 @@ class Geometry:
             w = self.expert_width
             shapes = {"gate": (w, h), "up": (w, h), "down": (h, w)}
             out = {f"{p}{a.experts.bank}.{e}.{name}": (*shapes[role], role)
-                   for e in range(self.num_experts) for role, name in archs.EXPERT_LINEARS.items()}
+                   for e in range(self.num_experts)
+                   for role, name in archs.expert_linears(a.experts.activation).items()}
             if a.experts.router_linear:
                 out[f"{p}{a.experts.router}.{a.experts.router_linear}"] = (self.num_experts, h, "router")
             if a.experts.shared and self.shared_expert_width:  # ERNIE 4.5 may have none
                 s = f"{a.layers}.{i}." if a.experts.shared_in_layer else p
                 s, sw = f"{s}{a.experts.shared}.", self.shared_expert_width
                 ins = {s + m.gate_up: (2 * sw, h, "gate_up")} if m.gate_up else \
-                    {s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up")}
+                    {s + m.gate: (sw, h, "gate"), s + m.up: (sw, h, "up")} if m.gate else {s + m.up: (sw, h, "up")}
                 out.update({**ins, s + m.down: (h, sw, "down")})
                 if a.experts.shared_gate:
                     out[p + a.experts.shared_gate] = (1, h, "shared_gate")

@@ -1,8 +1,8 @@
 """llmpipe::experts (native/src/kernels/experts_kernel.cpp) against its Python twin (pipeline/model/layers/experts.py
 experts_ref), bit for bit, in the ExecuTorch runtime: every weight form (fp32, 4-bit values two a byte and 8-bit ones,
-in groups or per channel,
-with torchao's dynamic int8 activations or without), both activations, biases, a single decode row and an expert no
-row picked; and the twin against the eager experts it packs (torchao's linears) within float rounding."""
+in groups or per channel, with torchao's dynamic int8 activations or without), the three activations (Nemotron-H's
+ungated relu^2: no gate, its arguments up's own buffers), biases, a single decode row and an expert no row picked;
+and the twin against the eager experts it packs (torchao's linears) within float rounding."""
 from __future__ import annotations
 
 import pytest
@@ -39,14 +39,15 @@ def program(packed: nn.Module, x, idx, w, tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["none", "8da4w", "8da8w", "4w", "8w"])
-@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu", "relu2"])
 def test_kernel_equals_its_twin_bit_for_bit(scheme, activation, tmp_path):
     torch.manual_seed(0)
     bank = ExpertBank([Expert(H, I, activation == "clamped_swiglu", activation, nn.SiLU(), 7.0, 1.702)
                        for _ in range(E)]).eval()
     quantize(bank, scheme)
     packed = PackedExperts(bank).eval()
-    assert packed.gate_w.dtype == {"none": torch.float32, "8da8w": torch.int8, "8w": torch.int8}.get(scheme, torch.uint8)
+    assert packed.up_w.dtype == {"none": torch.float32, "8da8w": torch.int8, "8w": torch.int8}.get(scheme, torch.uint8)
+    assert hasattr(packed, "gate_w") != (activation == "relu2")  # ungated: no gate weights stored
     rows = torch.randn(9, H) * 3
     picks = torch.stack([torch.randperm(E - 1)[:K] for _ in range(9)])  # expert E - 1: no row picks it
     weights = torch.softmax(torch.randn(9, K), -1)

@@ -7,7 +7,8 @@
 //   [E,out,in/2] (4-bit values two a byte, w + 8, element 2i in the low nibble) with s [E,out,in/group] Float group
 //   scales; b [E,out] Float or none. act_quant[p]: the projection's input rows
 //   are quantized to int8 first, asymmetric per row, as torchao's dynamic 8da linears do (int8 weights only).
-//   activation 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (limit, alpha). out [N,H] Float.
+//   activation 0: silu(gate) * up; 1: gpt-oss's clamped SwiGLU (limit, alpha); 2: relu(up)^2, ungated (Nemotron-H:
+//   the gate arguments repeat up's and are not read). out [N,H] Float.
 // Numerics, which the twin follows: activations quantized in fp32 as torchao does, each group's dot with the int8
 // weights exact in int32, scaled in float64; other projections' sums and the gated activation in float64; each
 // rounded to fp32 once; the weighted sum over a token's experts in fp32, in expert order.
@@ -81,7 +82,7 @@ Tensor& experts_out(KernelRuntimeContext& ctx, const Tensor& hidden, const Tenso
       top_k_weights.dim() != 2 || top_k_weights.size(0) != N || top_k_weights.size(1) != top_k_index.size(1) ||
       top_k_weights.scalar_type() != ScalarType::Float)
     return fail("top_k_index must be Long [N,k] and top_k_weights Float [N,k]");
-  if (act_quant.size() != 3 || (activation != 0 && activation != 1)) return fail("act_quant[3], activation 0 or 1");
+  if (act_quant.size() != 3 || activation < 0 || activation > 2) return fail("act_quant[3], activation 0, 1 or 2");
   const int64_t E = gate_w.dim() == 3 ? gate_w.size(0) : 0;
   Proj gate, up, down;
   std::string why;
@@ -118,10 +119,13 @@ Tensor& experts_out(KernelRuntimeContext& ctx, const Tensor& hidden, const Tenso
     for (int64_t r = 0; r < n; ++r) std::copy_n(x_all + (picks[r] / k) * H, H, x.data() + r * H);
     g.resize(n * I), u.resize(n * I), y.resize(n * H);
     const Cores& c = cores();  // the ISA path's copy of the projection
-    c.experts_project(gate, e, x.data(), n, g.data(), qz, rs);
+    if (activation != 2) c.experts_project(gate, e, x.data(), n, g.data(), qz, rs);
     c.experts_project(up, e, x.data(), n, u.data(), qz, rs);
     for (int64_t i = 0; i < n * I; ++i) {  // in float64, rounded once (the twin: the same)
-      if (activation == 1) {
+      if (activation == 2) {
+        const double ui = std::max(u[i], 0.f);
+        g[i] = static_cast<float>(ui * ui);
+      } else if (activation == 1) {
         const double gi = std::min(g[i], lim), ui = std::clamp(u[i], -lim, lim);
         g[i] = static_cast<float>((ui + 1.0) * (gi / (1.0 + std::exp(-gi * al))));
       } else {

@@ -63,12 +63,13 @@ def refuses_kv_dtype() -> str | None:
 def refuses_arch(arch) -> str | None:
     """Why it cannot build a model of this architecture (None: it can). A program must be MLX delegate calls only
     (the MLX runtime runs nothing else): attention sinks have no MLX form (the delegate's SDPA node takes no sink
-    logits); experts run as gather matmuls (experts.py) under silu only; recurrent layers keep their state in the
-    program's buffers in every mode (recurrent.py)."""
+    logits); experts run as gather matmuls (experts.py) under silu or relu^2 only; recurrent layers keep their state
+    in the program's buffers in every mode (recurrent.py)."""
     if arch.attention.sinks:
         return "attention sinks: the MLX delegate's SDPA node takes no sink logits"
-    if arch.experts is not None and arch.experts.activation != "silu":
-        return f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up here"
+    if arch.experts is not None and arch.experts.activation not in ("silu", "relu2"):
+        return (f"experts with a {arch.experts.activation} activation: MLX's gather matmuls run silu(gate) * up or "
+                "relu(up)^2 here")
     return None
 
 

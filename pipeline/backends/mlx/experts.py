@@ -42,7 +42,8 @@ class GatherExperts(nn.Module):
 
     def __init__(self, bank: ExpertBank):
         super().__init__()
-        for role, name in archs.EXPERT_LINEARS.items():
+        self.ungated = bank[0].activation in archs.UNGATED_ACTIVATIONS
+        for role, name in archs.expert_linears(bank[0].activation).items():
             setattr(self, role, GatherProjection([getattr(x, name) for x in bank]))
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -50,7 +51,8 @@ class GatherExperts(nn.Module):
         out = torch.zeros_like(hidden)
         for k in range(top_k_index.shape[-1]):
             idx = top_k_index[:, k]
-            a = F.silu(self.gate(x, idx)) * self.up(x, idx)
+            up = self.up(x, idx)
+            a = torch.square(F.relu(up)) if self.ungated else F.silu(self.gate(x, idx)) * up
             out = out + self.down(a, idx).squeeze(-2) * top_k_weights[:, k:k + 1].to(hidden.dtype)
         return out
 

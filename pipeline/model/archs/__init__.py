@@ -31,6 +31,8 @@ STATE_KINDS = RECURRENT_KINDS + PARALLEL_KINDS
 MLP_KINDS = ("mlp", "moe")
 # the names of one expert's linears after the rewrite (model/layers/experts.py builds them, geometry lists them)
 EXPERT_LINEARS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# expert activations that read up alone: the expert has no gate
+UNGATED_ACTIVATIONS = ("relu2",)
 # what a linear is in its layer (quantize.overrides[].role), whatever the architecture names it
 ROLES = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down", "per_layer", "lm_head",
          "delta_qkv", "delta_z", "delta_gates", "delta_out", "conv_in", "conv_out", "shared_gate",
@@ -102,9 +104,11 @@ class Experts:
     top_k_key: str = "num_experts_per_tok"
     width_key: str = "moe_intermediate_size"
     # "stacked": gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I], no biases (Qwen3-MoE, Mixtral);
-    # "interleaved": gate_up [E, H, 2I] with gate/up alternating columns, down [E, I, H], biases (gpt-oss)
+    # "interleaved": gate_up [E, H, 2I] with gate/up alternating columns, down [E, I, H], biases (gpt-oss);
+    # "ungated": up [E, I, H] and down [E, H, I], no gate (Nemotron-H)
     layout: str = "stacked"
-    activation: str = "silu"           # "silu": act(gate) * up; "clamped_swiglu": gpt-oss's, limit and alpha
+    # "silu": act(gate) * up; "clamped_swiglu": gpt-oss's, limit and alpha; "relu2": relu(up)^2, ungated
+    activation: str = "silu"
     # layers whose MLP is dense, from the config (Qwen3-MoE's mlp_only_layers and decoder_sparse_step)
     dense_layers: Callable = field(default=lambda config: [])
     # a shared expert every token runs beside the routed ones (an MLP in the block, with the entry's Mlp names),
@@ -168,6 +172,11 @@ class Mamba2:
     kernel_key: str = "mamba_d_conv"
     activation_key: str = "hidden_act"  # the conv's activation: silu is what the op runs
     parallel: bool = False             # beside the attention in every layer (Falcon-H1's `hybrid` layers)
+
+
+def expert_linears(activation: str) -> dict[str, str]:
+    """The linears of one expert under an activation (an ungated one has no gate)."""
+    return {r: n for r, n in EXPERT_LINEARS.items() if r != "gate" or activation not in UNGATED_ACTIVATIONS}
 
 
 def mamba_layer_kinds(config) -> list[str]:
@@ -293,7 +302,7 @@ class Arch:
         if self.mamba2 is not None and getattr(config, self.mamba2.activation_key, "silu") != "silu":
             out.append((self.mamba2.activation_key, getattr(config, self.mamba2.activation_key),
                         "the Mamba-2 conv runs silu: allowed ['silu']"))
-        known = ATTENTION_KINDS + self.recurrent_kinds() + (MLP_KINDS[:1] if self.blocks else ())
+        known = ATTENTION_KINDS + self.recurrent_kinds() + (MLP_KINDS if self.blocks else ())
         kinds = sorted(set(self.layer_kinds(config)) - set(known))
         if kinds:
             out.append(("layer_types", kinds, f"layer kinds the {self.family} entry builds: {list(known)}"))

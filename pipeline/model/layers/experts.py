@@ -21,17 +21,21 @@ from pipeline.model import archs
 
 
 class Expert(nn.Module):
-    """One expert: gate, up and down linears (names: archs.EXPERT_LINEARS) and the entry's gated activation."""
+    """One expert: gate, up and down linears (names: archs.EXPERT_LINEARS; an ungated activation's expert has no
+    gate) and the entry's activation."""
 
     def __init__(self, hidden: int, width: int, bias: bool, activation: str, act_fn=None, limit: float = 0.0,
                  alpha: float = 0.0):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, width, bias=bias)
+        if activation not in archs.UNGATED_ACTIVATIONS:
+            self.gate_proj = nn.Linear(hidden, width, bias=bias)
         self.up_proj = nn.Linear(hidden, width, bias=bias)
         self.down_proj = nn.Linear(width, hidden, bias=bias)
         self.activation, self.act_fn, self.limit, self.alpha = activation, act_fn, limit, alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "relu2":  # Nemotron-H: relu(up)^2, no gate
+            return self.down_proj(torch.square(F.relu(self.up_proj(x))))
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.activation == "clamped_swiglu":  # gpt-oss: clamped gate and up, gate * sigmoid(alpha * gate)
             gate = gate.clamp(max=self.limit)
@@ -61,23 +65,25 @@ def _split(bank: nn.Module, x: archs.Experts, e: int) -> dict[str, tuple[torch.T
         gu, gub = bank.gate_up_proj[e], bank.gate_up_proj_bias[e]
         return {"gate": (gu[:, ::2].t(), gub[::2]), "up": (gu[:, 1::2].t(), gub[1::2]),
                 "down": (bank.down_proj[e].t(), bank.down_proj_bias[e])}
+    if x.layout == "ungated":  # W @ x, up alone
+        return {"up": (bank.up_proj[e], None), "down": (bank.down_proj[e], None)}
     gate, up = bank.gate_up_proj[e].chunk(2, dim=0)  # W @ x, gate rows then up rows
     return {"gate": (gate, None), "up": (up, None), "down": (bank.down_proj[e], None)}
 
 
 def _expert(bank: nn.Module, x: archs.Experts, e: int) -> Expert:
     parts = _split(bank, x, e)
-    width, hidden = parts["gate"][0].shape
-    expert = Expert(hidden, width, bias=parts["gate"][1] is not None, activation=x.activation,
+    width, hidden = parts["up"][0].shape
+    expert = Expert(hidden, width, bias=parts["up"][1] is not None, activation=x.activation,
                     act_fn=getattr(bank, "act_fn", None), limit=float(getattr(bank, "limit", 0.0) or 0.0),
                     alpha=float(getattr(bank, "alpha", 0.0) or 0.0))
-    for role, name in archs.EXPERT_LINEARS.items():
+    for role, name in archs.expert_linears(x.activation).items():
         w, b = parts[role]
         linear = getattr(expert, name)
         linear.weight = nn.Parameter(w.detach().clone().contiguous(), requires_grad=False)
         if b is not None:
             linear.bias = nn.Parameter(b.detach().clone(), requires_grad=False)
-    return expert.to(parts["gate"][0].dtype)
+    return expert.to(parts["up"][0].dtype)
 
 
 @torch.no_grad()
@@ -106,10 +112,10 @@ def rewrite_experts(model: nn.Module) -> int:
 # weights [E, out, in] (fp32, or int8 values; 4-bit values two a byte, uint8 [E, out, in / 2]; both with fp32 group
 # scales [E, out, in / group]) and biases [E, out];
 # act_quant: per projection, whether its input rows are quantized to int8 first (the 8da schemes); activation:
-# 0 silu, 1 gpt-oss's clamped SwiGLU) -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per
+# 0 silu, 1 gpt-oss's clamped SwiGLU, 2 relu(up)^2 with no gate: the gate's arguments repeat up's, unread) -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per
 # expert, only the rows routed to it; an expert no row picked reads none of its weights.
 NAMESPACE, OP_NAME = "llmpipe", "experts"
-ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "relu2": 2}
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -158,7 +164,9 @@ def _project(x: torch.Tensor, w: torch.Tensor, s, b, act_quant: bool) -> torch.T
 
 
 def _activate(g: torch.Tensor, u: torch.Tensor, activation: int, limit: float, alpha: float) -> torch.Tensor:
-    """The gated activation in float64, rounded once (the kernel's)."""
+    """The activation in float64, rounded once (the kernel's)."""
+    if activation == ACTIVATIONS["relu2"]:
+        return torch.square(u.double().clamp(min=0)).float()
     if activation == ACTIVATIONS["clamped_swiglu"]:
         g, u = g.clamp(max=limit).double(), u.clamp(min=-limit, max=limit).double()
         alpha = float(torch.tensor(alpha, dtype=torch.float32))
@@ -180,8 +188,9 @@ def experts_ref(hidden, top_k_index, top_k_weights, gate_w, gate_s, gate_b, up_w
             continue
         x = x_all[rows]
         pick = (lambda t: None if t is None else t[e])  # noqa: E731
-        g = _project(x, gate_w[e], pick(gate_s), pick(gate_b), bool(act_quant[0]))
         u = _project(x, up_w[e], pick(up_s), pick(up_b), bool(act_quant[1]))
+        g = u if activation == ACTIVATIONS["relu2"] else \
+            _project(x, gate_w[e], pick(gate_s), pick(gate_b), bool(act_quant[0]))
         a = _activate(g, u, activation, float(limit), float(alpha))
         y = _project(a, down_w[e], pick(down_s), pick(down_b), bool(act_quant[2]))
         out.index_add_(0, rows, y * top_k_weights[rows, slots].float().unsqueeze(-1))
@@ -232,8 +241,12 @@ class PackedExperts(nn.Module):
         first = bank[0]
         self.activation = ACTIVATIONS[first.activation]
         self.limit, self.alpha = first.limit, first.alpha
+        # an ungated expert's gate arguments are up's own buffers (one constant in the program), which it never reads
+        self.gate_from = "up" if first.activation in archs.UNGATED_ACTIVATIONS else "gate"
         self.act_quant = []
         for role in PROJECTIONS:
+            if role == "gate" and self.gate_from == "up":
+                continue
             w, s, b, aq = _packed([getattr(x, archs.EXPERT_LINEARS[role]) for x in bank])
             for part, t in (("w", w), ("s", s), ("b", b)):
                 if t is None:  # a plain None, not a None buffer: torch.export miscounts those at the root
@@ -241,9 +254,12 @@ class PackedExperts(nn.Module):
                 else:
                     self.register_buffer(f"{role}_{part}", t)
             self.act_quant.append(int(aq))
+        if self.gate_from == "up":
+            self.act_quant.insert(0, self.act_quant[0])
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        parts = [getattr(self, f"{role}_{part}") for role in PROJECTIONS for part in ("w", "s", "b")]
+        roles = (self.gate_from, "up", "down")
+        parts = [getattr(self, f"{role}_{part}") for role in roles for part in ("w", "s", "b")]
         return torch.ops.llmpipe.experts(hidden, top_k_index, top_k_weights.float(), *parts, self.act_quant,
                                          self.activation, self.limit, self.alpha)
 

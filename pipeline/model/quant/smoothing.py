@@ -74,10 +74,12 @@ def _mlp_inputs(a: archs.Arch, layer: nn.Module) -> tuple[Optional[nn.Module], l
         router = mlp.get_submodule(a.experts.router)
         bank = getattr(mlp, a.experts.bank)
         weight = (getattr(router, a.experts.router_linear) if a.experts.router_linear else router).weight
-        readers = [weight] + [w for e in bank for w in (e.gate_proj.weight, e.up_proj.weight)]
+        ins = [n for r, n in archs.expert_linears(a.experts.activation).items() if r != "down"]
+        readers = [weight] + [getattr(e, n).weight for e in bank for n in ins]
         shared = a.shared_expert(layer)
         if shared is not None:  # the shared expert and its gate read the same input
-            readers += [getattr(shared, n).weight for n in ((a.mlp.gate_up,) if a.mlp.gate_up else (a.mlp.gate, a.mlp.up))]
+            names = (a.mlp.gate_up,) if a.mlp.gate_up else (a.mlp.gate, a.mlp.up) if a.mlp.gate else (a.mlp.up,)
+            readers += [getattr(shared, n).weight for n in names]
             if a.experts.shared_gate:
                 readers.append(getattr(mlp, a.experts.shared_gate).weight)
         return router, readers
