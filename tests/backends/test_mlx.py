@@ -242,17 +242,22 @@ def test_mlx_with_the_cpp_runner_is_refused_before_any_work():
 
 class _Router(torch.nn.Module):
     """What ERNIE 4.5 MoE's and LFM2-MoE's routers and Apertus' activation compute: top-k after a bias, the unbiased
-    scores gathered, a clamped normalization, expm1."""
+    scores gathered, a clamped normalization, expm1; and Nemotron-H's group mask: the best group's experts only
+    (scatter of a value into zeros)."""
 
     def forward(self, logits, bias):
         probs = torch.softmax(logits, -1)
         _, idx = torch.topk(probs + bias, 2, dim=-1)
         picked = torch.gather(probs, 1, idx)
-        return picked / picked.sum(-1, keepdim=True).clamp(min=1e-12), torch.expm1(logits.clamp(max=0.5))
+        groups = probs.view(-1, 2, 4).sum(-1)                                         # two groups of four experts
+        mask = torch.zeros_like(groups).scatter_(1, torch.topk(groups, 1, dim=-1)[1], 1.0)
+        in_group = probs.masked_fill(~mask.repeat_interleave(4, 1).bool(), 0.0)
+        return picked / picked.sum(-1, keepdim=True).clamp(min=1e-12), torch.expm1(logits.clamp(max=0.5)), in_group
 
 
 def test_a_router_that_gathers_lowers_whole_to_mlx_and_runs(tmp_path):
-    """aten.gather as TakeAlongAxisNode (pipeline/backends/mlx/gather.py), ClipNode and Expm1Node in the interpreter."""
+    """aten.gather as TakeAlongAxisNode and aten.scatter.value through ScatterAddNode (pipeline/backends/mlx/gather.py),
+    ClipNode and Expm1Node in the interpreter."""
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
     from pipeline.backends import BACKENDS
@@ -264,7 +269,7 @@ def test_a_router_that_gathers_lowers_whole_to_mlx_and_runs(tmp_path):
                                        compile_config=EdgeCompileConfig(_check_ir_validity=False))
     (tmp_path / "router.pte").write_bytes(edge.to_executorch(BACKENDS["mlx"].executorch_config(None)).buffer)
     program = load(tmp_path / "router.pte")  # a kernel call outside the delegate would be refused here
-    assert {"TakeAlongAxisNode", "ClipNode", "Expm1Node"} <= set(program.ops())
+    assert {"TakeAlongAxisNode", "ScatterAddNode", "ClipNode", "Expm1Node"} <= set(program.ops())
     got = program.execute([logits, bias])
     for g, w in zip(got, _Router()(logits, bias)):
         assert torch.allclose(torch.as_tensor(g), w, atol=1e-6)

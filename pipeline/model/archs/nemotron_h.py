@@ -14,7 +14,7 @@ def random_config(r, common: dict) -> dict:
     return dict(common, hybrid_override_pattern=pattern, mamba_num_heads=8, mamba_head_dim=16, n_groups=2,
                 ssm_state_size=16, chunk_size=8, time_step_min=0.01, tie_word_embeddings=False, n_routed_experts=8,
                 num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=32,
-                moe_shared_expert_intermediate_size=48, routed_scaling_factor=1.5, norm_topk_prob=True)
+                moe_shared_expert_intermediate_size=64, routed_scaling_factor=1.5, norm_topk_prob=True)
 
 
 def dense_layers(config) -> list[int]:

@@ -42,3 +42,14 @@ class MathOps:
         axis = int(n.get("axis") or 0)
         st.t[_tid(n["out"])] = _mx().cumsum(st.tensor(n["x"]), axis=axis, reverse=bool(n.get("reverse", False)),
                                             inclusive=bool(n.get("inclusive", True)))
+
+    def op_ScatterAddNode(self, n, st):  # Nemotron-H's router: its chosen expert groups marked (backends/mlx/gather.py)
+        mx = _mx()
+        x, idx, upd = st.tensor(n["x"]), st.tensor(n["indices"]), st.tensor(n["updates"])
+        axis = int(n.get("axis") or 0) % x.ndim
+        # put_along_axis with a sum: one index column at a time, so repeated indices add up
+        for j in range(idx.shape[axis]):
+            take = tuple(slice(j, j + 1) if d == axis else slice(None) for d in range(idx.ndim))
+            cur = mx.take_along_axis(x, idx[take], axis=axis)
+            x = mx.put_along_axis(x, idx[take], cur + upd[take], axis=axis)
+        st.t[_tid(n["out"])] = x
