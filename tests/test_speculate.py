@@ -134,6 +134,7 @@ def test_greedy_speculation_equals_plain_decoding(recipe, n, new):
 @pytest.mark.parametrize("model_type, backend, mode", [
     ("lfm2", "xnnpack", "offgraph"),         # short-conv states, the runtime's (snapshot and restore in C++)
     ("qwen3_next", "xnnpack", "offgraph"),   # Gated DeltaNet states
+    ("bamba", "xnnpack", "offgraph"),        # Mamba-2 states
     ("lfm2", "mlx", "custom"),               # states in the program's buffers (the MLX interpreter copies them)
 ])
 def test_greedy_speculation_equals_plain_decoding_on_hybrids(model_type, backend, mode):

@@ -5,7 +5,8 @@ MLX programs run in the interpreter. Sliding-window families are built at a chun
 default), so verify's long prompt (chunk + 16 tokens) runs past the window and wraps the rings.
 
 The CI tier builds one family of each kind (fused projections, post-norm, mixture of experts, attention sinks,
-recurrent layers of both kinds, and on MLX a dense one and a MoE); the slow tier
+recurrent layers of each kind, Mamba-2 blocks with ungated experts, attention beside Mamba-2, and on MLX a dense one
+and a MoE); the slow tier
 (`pytest -m slow tests/e2e/test_families.py`) builds every cell.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ CI_CELLS = [("phi3", "xnnpack", "custom", "default"), ("phi3", "xnnpack", "offgr
             ("gpt_oss", "xnnpack", "offgraph", "default"), ("gpt_oss", "xnnpack", "custom", "fp32"),
             ("phi3", "mlx", "offgraph", "fp32"), ("qwen3_moe", "mlx", "custom", "default"),
             ("qwen3_5_text", "xnnpack", "custom", "default"), ("lfm2", "xnnpack", "custom", "fp32"),
-            ("lfm2", "xnnpack", "offgraph", "fp32"), ("qwen3_next", "xnnpack", "offgraph", "default")]
+            ("lfm2", "xnnpack", "offgraph", "fp32"), ("qwen3_next", "xnnpack", "offgraph", "default"),
+            ("nemotron_h", "xnnpack", "custom", "default"), ("falcon_h1", "xnnpack", "offgraph", "fp32")]
 ALL_CELLS = [(t, b, m, s) for t, b, m in supported_cells() for s in SCHEMES]
 
 
