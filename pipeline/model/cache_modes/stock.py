@@ -81,7 +81,8 @@ def refuses_arch(arch, flags: dict) -> str | None:
         return f"attention sinks: llama::custom_sdpa's softmax takes no sink logits; {alt}"
     if arch.recurrent_kinds():
         return (f"recurrent layers ({', '.join(arch.recurrent_kinds())}): our ops keep and step their state "
-                f"(llmpipe::causal_conv, gated_delta_rule, ssd_scan), and this mode builds attention layers only; {alt}")
+                f"(llmpipe::causal_conv, gated_delta_rule, ssd_scan), and this mode builds attention layers only; "
+                f"{alt}")
     if arch.per_layer is not None:
         return (f"KV-shared layers ({arch.per_layer.kv_shared_key}): a shared layer attends over another layer's "
                 f"cache without writing it, and this mode keeps one cache per layer; {alt}")

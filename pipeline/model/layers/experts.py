@@ -112,8 +112,9 @@ def rewrite_experts(model: nn.Module) -> int:
 # weights [E, out, in] (fp32, or int8 values; 4-bit values two a byte, uint8 [E, out, in / 2]; both with fp32 group
 # scales [E, out, in / group]) and biases [E, out];
 # act_quant: per projection, whether its input rows are quantized to int8 first (the 8da schemes); activation:
-# 0 silu, 1 gpt-oss's clamped SwiGLU, 2 relu(up)^2 with no gate: the gate's arguments repeat up's, unread) -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per
-# expert, only the rows routed to it; an expert no row picked reads none of its weights.
+# 0 silu, 1 gpt-oss's clamped SwiGLU, 2 relu(up)^2 with no gate: the gate's arguments repeat up's, unread)
+# -> [N, H]. The C++ kernel (native/src/kernels/experts_kernel.cpp) runs, per expert, only the rows routed to it; an
+# expert no row picked reads none of its weights.
 NAMESPACE, OP_NAME = "llmpipe", "experts"
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1, "relu2": 2}
 PROJECTIONS = ("gate", "up", "down")

@@ -10,11 +10,12 @@ by one that advances its state with our ops, a step of any length at a time. The
 
 A Gated DeltaNet layer (Qwen3.5) runs its q|k|v through that conv (silu), then llmpipe::gated_delta_rule
 (pipeline/model/layers/gated_delta.py) over its [value heads, key dim, value dim] fp32 state; a short-conv layer (LFM2)
-computes C * conv(B * x); a Mamba-2 layer (Bamba, Granite-4.0-H) runs its x|B|C through the conv (silu), then
-llmpipe::ssd_scan (pipeline/model/layers/ssd.py) over its [heads, state size, head dim] fp32 state. The mixers read the step's positions from the wrapper (`step_positions`): a step at 0
-starts a new sequence. The weights stay the HF module's (the same names, so quantization finds the linears where the
-geometry lists them); the conv weights, A_log, dt_bias, D and the norms stay in float. A layer's matrix state, a
-DeltaNet's or a Mamba-2 layer's, is its "delta" part (the runtime cache stores either as one fp32 matrix per head).
+computes C * conv(B * x); a Mamba-2 layer (Bamba, Granite-4.0-H, Nemotron-H, Falcon-H1) runs its x|B|C through the
+conv (silu), then llmpipe::ssd_scan (pipeline/model/layers/ssd.py) over its [heads, state size, head dim] fp32 state.
+The mixers read the step's positions from the wrapper (`step_positions`): a step at 0 starts a new sequence. The
+weights stay the HF module's (the same names, so quantization finds the linears where the geometry lists them); the
+conv weights, A_log, dt_bias, D and the norms stay in float. A layer's matrix state, a DeltaNet's or a Mamba-2
+layer's, is its "delta" part (the runtime cache stores either as one fp32 matrix per head).
 """
 from __future__ import annotations
 
