@@ -37,8 +37,12 @@ def _free_port() -> int:
 def s3():
     """moto's S3 server on 127.0.0.1 for this module; yields the environment a host process needs."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # one request at a time: moto checks a conditional put (If-None-Match) and then writes, so its threaded server
+    # can let two hosts create the same lease.json at once, where S3 lets one; serialized, it holds as S3 does
+    serve = ("from werkzeug.serving import run_simple; "
+             "from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app; "
+             f"run_simple('127.0.0.1', {port}, DomainDispatcherApplication(create_backend_app), threaded=False)")
+    proc = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
