@@ -99,8 +99,8 @@ class Geometry:
         return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
 
     def state_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
-        """A recurrent layer's state: its conv's last kernel - 1 inputs and, for a Gated DeltaNet, the fp32 matrix
-        per value head; {} for an attention layer (its K/V cache: kv_layout)."""
+        """A recurrent layer's state: its conv's last kernel - 1 inputs and, for a Gated DeltaNet or a Mamba-2 layer,
+        the fp32 matrix per head; {} for an attention layer (its K/V cache: kv_layout)."""
         kind = self.kind(i)
         if kind == "linear_attention":
             return {"conv": (self.delta_conv_kernel - 1, self.delta_conv_channels),

@@ -157,9 +157,10 @@ class ShortConv:
 
 @dataclass(frozen=True)
 class Mamba2:
-    """A `mamba` layer (Bamba, Granite-4.0-H): in_proj to z | x,B,C | dt, x,B,C through a depthwise causal conv
-    (silu), Mamba-2's SSD scan over a [heads, state size, head dim] state (pipeline/model/layers/ssd.py), a gated
-    RMSNorm of y with z, out_proj. HF 5.x names these layers `linear_attention`: the entry's layer_kinds maps them."""
+    """A `mamba` layer (Bamba, Granite-4.0-H, Nemotron-H; Falcon-H1's beside attention: `hybrid`): in_proj to
+    z | x,B,C | dt, x,B,C through a depthwise causal conv (silu), Mamba-2's SSD scan over a [heads, state size,
+    head dim] state (pipeline/model/layers/ssd.py), a gated RMSNorm of y with z, out_proj. HF 5.x names these layers
+    `linear_attention`: the entry's layer_kinds maps them."""
     path: str = "mamba"                # in a decoder layer
     in_proj: str = "in_proj"
     conv: str = "conv1d"
@@ -251,7 +252,8 @@ class Arch:
         return layer.get_submodule(self.attention.path)
 
     def attention_layers(self, model) -> list[tuple[int, object]]:
-        """(index, decoder layer) of every layer whose token mixer is attention (not a recurrent layer)."""
+        """(index, decoder layer) of every layer whose token mixer is attention (not a recurrent layer, not an MLP
+        block alone)."""
         kinds = self.layer_kinds(model.config.get_text_config())
         return [(i, layer) for i, (layer, kind) in enumerate(zip(self.decoder_layers(model), kinds))
                 if kind not in RECURRENT_KINDS + MLP_KINDS]

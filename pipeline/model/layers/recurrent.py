@@ -28,7 +28,7 @@ from torch.nn import functional as F
 
 from pipeline.model import archs
 from pipeline.model.layers import gated_delta  # noqa: F401 (defines llmpipe::gated_delta_rule)
-from pipeline.model.layers import ssd  # noqa: F401 (defines llmpipe::ssd_scan)
+from pipeline.model.layers import ssd  # defines llmpipe::ssd_scan
 from pipeline.model.layers.attention import define_op
 
 NAMESPACE = "llmpipe"
