@@ -61,10 +61,15 @@ def check_step(q, k, v, a, b, A_log, dt_bias, state, position) -> tuple[int, int
                          f"{tuple(b.shape)}, {tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
     if state.shape != (Hv, Dk, Dv) or state.dtype != torch.float32:
         raise ValueError(f"{QUALNAME}: state must be fp32 [{Hv},{Dk},{Dv}], got {state.dtype} {tuple(state.shape)}")
+    return step_start(QUALNAME, position, T), T
+
+
+def step_start(op: str, position: torch.Tensor, T: int) -> int:
+    """The first of a recurrent op's step positions, which must be T consecutive entries from >= 0."""
     pos_list = position.reshape(-1).tolist()
     if len(pos_list) != T or pos_list != list(range(pos_list[0], pos_list[0] + T)) or pos_list[0] < 0:
-        raise ValueError(f"{QUALNAME}: position must be {T} consecutive entries from >= 0, got {pos_list}")
-    return int(pos_list[0]), T
+        raise ValueError(f"{op}: position must be {T} consecutive entries from >= 0, got {pos_list}")
+    return int(pos_list[0])
 
 
 def gated_delta_rule_ref(q, k, v, a, b, A_log, dt_bias, state, position, scale: float,

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.model import archs
-from pipeline.model.layers import gated_delta  # noqa: F401 (defines llmpipe::gated_delta_rule)
+from pipeline.model.layers import gated_delta  # defines llmpipe::gated_delta_rule
 from pipeline.model.layers import ssd  # defines llmpipe::ssd_scan
 from pipeline.model.layers.attention import define_op
 
@@ -51,10 +51,7 @@ def causal_conv_ref(x, weight, bias, state, position, activation: int) -> torch.
         raise ValueError(f"{CONV_QUALNAME}: bias must be [{C}], got {tuple(bias.shape)}")
     if activation not in ACTIVATIONS.values():
         raise ValueError(f"{CONV_QUALNAME}: activation {activation}: allowed {ACTIVATIONS}")
-    pos = position.reshape(-1).tolist()
-    if len(pos) != T or pos != list(range(pos[0], pos[0] + T)) or pos[0] < 0:
-        raise ValueError(f"{CONV_QUALNAME}: position must be {T} consecutive entries from >= 0, got {pos}")
-    if pos[0] == 0:
+    if gated_delta.step_start(CONV_QUALNAME, position, T) == 0:
         state.zero_()
     seq = torch.cat([state, x[0]]).to(torch.float64)                              # [K-1+T, C]
     w = weight.to(torch.float64)

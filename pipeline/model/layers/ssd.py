@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from pipeline.model.layers.attention import define_op
+from pipeline.model.layers.gated_delta import step_start
 
 NAMESPACE = "llmpipe"
 OP_NAME = "ssd_scan"
@@ -53,10 +54,7 @@ def check_step(x, dt, A_log, dt_bias, B, C, D, state, position) -> tuple[int, in
                          f"{tuple(A_log.shape)}, {tuple(dt_bias.shape)}, {tuple(D.shape)}")
     if state.shape != (H, N, P) or state.dtype != torch.float32:
         raise ValueError(f"{QUALNAME}: state must be fp32 [{H},{N},{P}], got {state.dtype} {tuple(state.shape)}")
-    pos_list = position.reshape(-1).tolist()
-    if len(pos_list) != T or pos_list != list(range(pos_list[0], pos_list[0] + T)) or pos_list[0] < 0:
-        raise ValueError(f"{QUALNAME}: position must be {T} consecutive entries from >= 0, got {pos_list}")
-    return int(pos_list[0]), T
+    return step_start(QUALNAME, position, T), T
 
 
 def _per_head(x, dt, A_log, dt_bias, B, C, dt_min, dt_max):
