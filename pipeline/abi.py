@@ -47,6 +47,9 @@ EOS_IDS = "get_eos_ids"
 RECIPE_HASH = "get_recipe_hash"
 CHAT_TEMPLATE = "get_chat_template"      # the model's chat template by name (the runners' --chat default)
 TAIL_ROWS = "get_tail_rows"              # logits mode `tail`: the most rows a forward returns
+# the data files forward reads its constants from, comma-separated (an adapter kept apart: "foundation.ptd"); the
+# runners look for them beside the .pte unless told where (--data)
+DATA_FILES = "get_data_files"
 # ExecuTorch's LLM runner reads these (extension/llm/runner/constants.h; missing ones it logs and guesses)
 USE_KV_CACHE = "use_kv_cache"            # forward takes the positions: a cache keeps the earlier tokens
 SDPA_WITH_KV_CACHE = "use_sdpa_with_kv_cache"  # attention is one custom op over the cache (a cache mode's answer)

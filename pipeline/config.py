@@ -23,6 +23,14 @@ class Source(str, Enum):
     random = "random"  # a tiny randomly initialised model built from a config (tests)
 
 
+class AdapterMode(str, Enum):
+    """What becomes of a PEFT LoRA adapter (model.adapter)."""
+    merge = "merge"        # folded into the weights at download, before quantization: one plain program
+    # kept apart: the base model quantized and lowered once, its weights in foundation.ptd; the adapter's branches
+    # stay in the program (fp32 low-rank linears beside each base linear), so adapters share one foundation file
+    separate = "separate"
+
+
 class DType(str, Enum):
     fp32 = "fp32"
     fp16 = "fp16"
@@ -138,9 +146,9 @@ class ModelConfig:
     gguf_pattern: str = "*.gguf"
     # random
     random: RandomModelConfig = field(default_factory=RandomModelConfig)
-    # a fine-tune's PEFT LoRA adapter (a folder: adapter_config.json and its weights), merged into the weights at
-    # download (pipeline/model/adapter.py)
+    # a fine-tune's PEFT LoRA adapter (a folder: adapter_config.json and its weights; pipeline/model/adapter.py)
     adapter: Optional[str] = None
+    adapter_mode: AdapterMode = AdapterMode.merge
 
 
 class QuantAlgorithm(str, Enum):

@@ -74,10 +74,41 @@ def adapter_problems(cfg, g: Geometry) -> Problems:
     if not path:
         return []
     why = adapter.problem(path, list(g.linear_shapes()))
-    out = [("model.adapter", path, why)] if why else []
+    if why:
+        return [("model.adapter", path, why)]
+    if adapter.separate(cfg):
+        return separate_adapter_problems(cfg, g)
     if cfg.quantize.source_grid:
-        out.append(("quantize.source_grid", True, "carries the GGUF file's blocks of the base weights: the adapter "
-                    "(model.adapter) changes them, so choose one of the two"))
+        return [("quantize.source_grid", True, "carries the GGUF file's blocks of the base weights: the adapter "
+                 "(model.adapter) changes them, so choose one of the two")]
+    return []
+
+
+# backends whose programs keep their constants in a data file here (MLX's delegate payload holds its own)
+SEPARATE_BACKENDS = ("xnnpack", "portable")
+
+
+def separate_adapter_problems(cfg, g: Geometry) -> Problems:
+    """model.adapter_mode=separate: the adapter's branches each beside a plain linear of the base, whose weights the
+    pipeline leaves as it quantized them."""
+    path, key = cfg.model.adapter, "model.adapter_mode"
+    why = adapter.separate_problem(path)
+    if why:
+        return [("model.adapter", path, why)]
+    out = []
+    linears = set(g.linear_shapes())
+    adapted = sorted({n.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
+                      for n in adapter.weight_names(path) if n.endswith(".lora_A.weight")})
+    strangers = [n for n in adapted if n not in linears]
+    if strangers:
+        out.append(("model.adapter", path, f"adapts {strangers[:4]}{' ...' if len(strangers) > 4 else ''}, not "
+                    "plain linears of this model (an expert's weights are not): model.adapter_mode=merge"))
+    if v(cfg.backend.name) not in SEPARATE_BACKENDS:
+        out.append((key, "separate", f"backend={v(cfg.backend.name)} keeps its weights in its delegate's payload: "
+                    f"allowed on {list(SEPARATE_BACKENDS)}, or model.adapter_mode=merge"))
+    if v(cfg.export.exporter) != "native":
+        out.append((key, "separate", f"export.exporter={v(cfg.export.exporter)}: the adapter program is our "
+                    "exporter's (export.exporter=native)"))
     return out
 
 

@@ -15,10 +15,13 @@ from pipeline import abi, ops
 from pipeline.backends import BACKENDS, logits_mode as resolve_logits_mode
 from pipeline.config import v
 from pipeline.exporters import handoff
+from pipeline.model import adapter
 from pipeline.model.cache_modes import CACHE_MODES, flags
+from pipeline.model.layers.lora import FOUNDATION_TAG
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
-from pipeline.store.files import write_streaming
+from pipeline.model.quant.smoothing import SCALES_FILE
+from pipeline.store.files import sha256_file, write_streaming
 
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK (memory estimates) reads it
 NATIVE_RUNNER = True  # one runner-layout program: the C++ runners run it
@@ -78,6 +81,9 @@ def export(ctx) -> dict:
     from pipeline.exporters.lean_export import without_canonical_self_test
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}
+    separate = adapter.separate(ctx.cfg)
+    if separate:  # the fine-tune's branches beside the quantized base (pipeline/model/layers/lora.py)
+        info["adapter_branches"] = adapter.attach(module, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.layers.faults import inject
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
@@ -92,7 +98,8 @@ def export(ctx) -> dict:
     else:
         from pipeline.model.layers.experts import dense_experts
         info["dense_expert_layers"] = dense_experts(module.model)
-    if ctx.cfg.export.fuse_projections and fp32:
+    # an adapter kept apart leaves the base's linears as they are: its foundation is the same for every adapter
+    if ctx.cfg.export.fuse_projections and fp32 and not separate:
         from pipeline.model.layers.fused_projections import fuse_projections
         info["fused_projections"] = fuse_projections(module.model)
     if ctx.cfg.export.store_tied_once and BACKENDS[ctx.cfg.backend.name].RUNTIME == "executorch":
@@ -138,8 +145,9 @@ def constant_methods(ctx) -> dict:
     e = ctx.cfg.export
     text = AutoConfig.from_pretrained(ctx.inputs["download"] / "model").get_text_config()
     mode = CACHE_MODES[ctx.cfg.cache.mode]
+    data = {abi.DATA_FILES: f"{FOUNDATION_TAG}.ptd"} if adapter.separate(ctx.cfg) else {}
     return {**runner_constants(ctx), abi.SDPA_WITH_KV_CACHE: mode.sdpa_with_kv_cache(flags(ctx.cfg.cache)),
-            **mode.constant_methods(text, e.max_context_len, e.prefill_chunk, flags(ctx.cfg.cache))}
+            **mode.constant_methods(text, e.max_context_len, e.prefill_chunk, flags(ctx.cfg.cache)), **data}
 
 
 # nodes outside a delegate that run no kernel (tuple unpacking, shape reads)
@@ -171,6 +179,11 @@ def lower_program(ep, cfg, methods: dict):
     load_kernels()  # out variants of the quantized_decomposed ops left outside the delegate
     backend = BACKENDS[cfg.backend.name]
     partitioners, passes = backend.partition()
+    config = backend.executorch_config(cfg)
+    if adapter.separate(cfg):  # the base's constants to foundation.ptd, delegated (tagged here) or not
+        from pipeline.model.layers.lora import in_foundation, tag_delegate_constants
+        passes = [*passes, tag_delegate_constants]
+        config.external_constants = in_foundation
     with lean_edge():
         with backend.lowering():
             edge = to_edge_transform_and_lower(
@@ -180,7 +193,7 @@ def lower_program(ep, cfg, methods: dict):
         report = delegation_report(edge)
         if backend.DELEGATES_MATMULS:
             refuse_undelegated_matmuls(report, v(cfg.export.dtype), v(cfg.backend.name))
-        return edge.to_executorch(backend.executorch_config(cfg)), report
+        return edge.to_executorch(config), report
 
 
 def refuse_undelegated_matmuls(report: dict, dtype: str, backend: str) -> None:
@@ -217,6 +230,7 @@ def lower(ctx) -> dict:
     pte = ctx.out / PROGRAM
     with open(pte, "wb") as f:
         et.write_to_file(f)
+    data = write_data_files(et, ctx.out) if adapter.separate(cfg) else {}
     # the cache mode's kernels, and ours wherever the program calls an llmpipe op (a MoE layer's experts, a recurrent
     # layer's state ops: an in-place op shows in the edge report as auto_functionalized, so ask the program itself)
     called, delegates = ops.program_operators(et.executorch_program.execution_plan)
@@ -226,15 +240,47 @@ def lower(ctx) -> dict:
                               f"calls ours: {sorted(op for op in called if ops.library(op).ours)}")
     ours = {"llmpipe"} if "llmpipe" in {ops.namespace(op) for op in called} else set()
     report["program"] = {"layout": "runner", "file": PROGRAM, "runtime": BACKENDS[cfg.backend.name].RUNTIME,
-                         "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours)}
+                         "kernels": sorted(set(CACHE_MODES[cfg.cache.mode].KERNELS) | ours),
+                         **{k: data[k] for k in ("data", "data_sha256") if k in data}}
     report["constant_methods"] = methods
     report["deploy"] = {"operators": called, "delegates": delegates, **req,
                         "runners": runners(cfg)}
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
-    return {"pte_bytes": pte.stat().st_size, "deploy": report["deploy"], "delegated_nodes": report["delegated_nodes"],
+    return {"pte_bytes": pte.stat().st_size, **data, "deploy": report["deploy"], "delegated_nodes": report["delegated_nodes"],
             "non_delegated_nodes": report["non_delegated_nodes"],
             "delegated_subgraphs": report["delegated_subgraphs"], "delegate_calls": report["delegate_calls"],
             "portable_ops": report["portable_ops"], "delegation_by_op": report["by_op"]}
+
+
+def write_data_files(et, out) -> dict:
+    """The program's data files (an adapter kept apart: foundation.ptd, the base's weights), beside model.pte; their
+    names and hashes for lower.json (a runner loads them with the program) and the manifest. A file another lower
+    entry already holds, byte for byte (another adapter of the same base), becomes a hard link to it: the store keeps
+    one foundation for all its adapters."""
+    et.write_tensor_data_to_file(out)
+    hashes = {f.name: sha256_file(f) for f in sorted(out.glob("*.ptd"))}
+    shared = {name: share_identical(out / name, sha, out.parent) for name, sha in hashes.items()}
+    return {"data": sorted(hashes), "data_sha256": hashes,
+            "data_shared_with": {k: str(p) for k, p in shared.items() if p is not None}}
+
+
+def share_identical(path, sha: str, entries):
+    """Replace `path` with a hard link to the same file of another entry under `entries` whose manifest records this
+    hash and whose bytes still have it; returns that file, or None."""
+    import os
+
+    from pipeline.store.files import read_manifest
+    for entry in sorted(entries.iterdir()):
+        other = entry / path.name
+        m = read_manifest(entry) if not entry.name.startswith(".") else None
+        if not (m and m.get("status") == "ok" and (m.get("metrics") or {}).get("data_sha256", {}).get(path.name) == sha):
+            continue
+        if other.is_file() and other.stat().st_size == path.stat().st_size and sha256_file(other) == sha:
+            tmp = path.with_suffix(".link")
+            os.link(other, tmp)
+            os.replace(tmp, path)
+            return other
+    return None
 
 
 def runners(cfg) -> dict:

@@ -1,10 +1,14 @@
 """A fine-tune given as a PEFT LoRA adapter (model.adapter: its folder, adapter_config.json and the adapter's
-weights), merged into the base model's weights at download, before anything reads them: every later stage sees
-one plain checkpoint, so quantization rounds the fine-tuned weights, not the base's.
+weights), in one of two ways (model.adapter_mode):
 
-PEFT merges (`merge_and_unload`): W + B A * scale in the checkpoint's dtype, and its variants (rsLoRA's scale, DoRA's
-magnitudes, modules_to_save) as PEFT defines them. The adapter's files are part of the download stage's key, by hash:
-an edited adapter rebuilds.
+- merge (the default): merged into the base model's weights at download, before anything reads them: every later
+  stage sees one plain checkpoint, so quantization rounds the fine-tuned weights, not the base's. PEFT merges
+  (`merge_and_unload`): W + B A * scale in the checkpoint's dtype, and its variants (rsLoRA's scale, DoRA's
+  magnitudes, modules_to_save) as PEFT defines them. The adapter's files are part of the download stage's key.
+- separate: the base is downloaded, wrapped, calibrated and quantized as if there were no adapter (those entries
+  are shared by every adapter of the base); export puts each adapted linear's branch beside it
+  (pipeline/model/layers/lora.py) and lower writes the base's weights to foundation.ptd. The adapter's files are
+  part of the export stage's key.
 """
 from __future__ import annotations
 
@@ -57,6 +61,90 @@ def problem(path: str, linear_names: list[str]) -> Optional[str]:
     if importlib.util.find_spec("peft") is None:
         return "merging needs PEFT: pip install -e '.[adapters]'"
     return None
+
+
+def separate(cfg) -> bool:
+    """Whether this build keeps its adapter apart (model.adapter_mode=separate with an adapter)."""
+    from pipeline.registry import v
+    return bool(cfg.model.adapter) and v(cfg.model.adapter_mode) == "separate"
+
+
+def separate_problem(path: str) -> Optional[str]:
+    """Why this adapter cannot be kept apart from its base (it may still merge), or None. Reads its config and the
+    names of its weights."""
+    config = json.loads((folder(path) / CONFIG).read_text())
+    merge_only = "merges only (model.adapter_mode=merge)"
+    if config.get("use_dora"):
+        return f"DoRA rescales each base weight by its norm after the update: it {merge_only}"
+    if config.get("modules_to_save"):
+        return (f"modules_to_save {config['modules_to_save']} replaces base modules whole, so the foundation would "
+                f"differ per adapter: it {merge_only}")
+    if config.get("fan_in_fan_out") or config.get("lora_bias"):
+        return f"fan_in_fan_out / lora_bias: it {merge_only}"
+    other = sorted({k.rsplit(".", 2)[-2] for k in weight_names(path)} - {"lora_A", "lora_B"})
+    if other:
+        return f"weights {other} (an embedding's or another kind of adapter) beside the linears' lora_A / lora_B: it " \
+               f"{merge_only}"
+    return None
+
+
+def weight_names(path: str) -> list[str]:
+    f = next(folder(path) / w for w in WEIGHTS if (folder(path) / w).is_file())
+    if f.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(str(f), "pt") as st:
+            return list(st.keys())
+    import torch
+    return list(torch.load(f, map_location="cpu", weights_only=True))
+
+
+def branches(path: str) -> dict:
+    """Each adapted linear's (A [r, in], B [out, r] times its scaling), by module name in the base model, scaled as
+    PEFT's LoRA layer scales: alpha / r, or alpha / sqrt(r) with rsLoRA; r is the module's own (rank_pattern's), alpha
+    alpha_pattern's where it names the module (PEFT's own matching)."""
+    import torch
+    from peft.utils.other import get_pattern_key
+    config = json.loads((folder(path) / CONFIG).read_text())
+    f = next(folder(path) / w for w in WEIGHTS if (folder(path) / w).is_file())
+    if f.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        weights = load_file(str(f))
+    else:
+        weights = torch.load(f, map_location="cpu", weights_only=True)
+    out = {}
+    for key, a in weights.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        name = key[:-len(".lora_A.weight")].removeprefix("base_model.model.")
+        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        r = a.shape[0]  # rank_pattern's, where it names this module
+        alphas = config.get("alpha_pattern") or {}
+        alpha = alphas.get(get_pattern_key(alphas.keys(), name), config["lora_alpha"])
+        scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
+        out[name] = (a.float(), b.float() * scaling)
+    return out
+
+
+def attach(module, cfg, smoothing: Optional[Path] = None) -> int:
+    """The adapter's branches beside the linears of a wrapped module (kept apart); returns how many. `smoothing`: the
+    quantize stage's scales (smoothing.pt) when the module is the smoothed one: a base linear whose input is divided
+    by s reads it through A * s, one whose output rows are divided by s gets B's rows divided too, so each branch
+    adds what it adds to the unsmoothed model."""
+    import torch
+
+    from pipeline.model.layers import lora
+    found = branches(cfg.model.adapter)
+    if smoothing is not None and smoothing.exists():
+        scales = torch.load(smoothing, weights_only=True)
+        for name, (a, b) in found.items():
+            if name in scales["input"]:
+                a = a * scales["input"][name].float()[None, :]
+            if name in scales["rows"]:
+                start, stop, d = scales["rows"][name]
+                b = b.clone()
+                b[start:stop] /= d.float()[:, None]
+            found[name] = (a, b)
+    return lora.attach(module.model, found)
 
 
 def merge(model_dir: Path, path: str) -> dict:

@@ -36,4 +36,5 @@ def open_program(entry: Path, *, policy: Optional[CachePolicy] = None, runtime: 
     if info["layout"] == "prefill_decode":
         from pipeline.runtimes.pair import open_pair
         return open_pair(entry, rt)
-    return RunnerProgram(rt, Path(entry) / info["file"], policy, kernels=info.get("kernels", ()))
+    return RunnerProgram(rt, Path(entry) / info["file"], policy, kernels=info.get("kernels", ()),
+                         data=[Path(entry) / name for name in info.get("data", ())])

@@ -63,8 +63,10 @@ class RunnerProgram:
     the runtime's own cache, built from its constant methods under `policy`; each call is a step against it.
     `chunk` is the most tokens one call takes (the exported prefill chunk)."""
 
-    def __init__(self, runtime, path, policy: Optional[CachePolicy] = None, kernels: Sequence[str] = ()):
-        self.program = runtime.load(path, kernels=kernels)
+    def __init__(self, runtime, path, policy: Optional[CachePolicy] = None, kernels: Sequence[str] = (),
+                 data: Sequence = ()):
+        # data: the program's data files (an adapter kept apart: the base's foundation.ptd)
+        self.program = runtime.load(path, kernels=kernels, **({"data": data} if data else {}))
         self.cache = None
         names = self.program.method_names
         self.chunk = abi.ints(self.program.constant(abi.MAX_SEQ_LEN))[0] if abi.MAX_SEQ_LEN in names else None

@@ -5,6 +5,7 @@ import importlib.metadata as md
 from pathlib import Path
 from typing import Sequence
 
+from pipeline.abi import DATA_FILES
 from pipeline.ops import load_native_kernels
 from pipeline.runtimes.native_cache import NativeOffgraphCache
 
@@ -27,7 +28,7 @@ def load_kernels() -> None:
 class ExecutorchProgram:
     """One .pte loaded in the Python runtime."""
 
-    def __init__(self, path: Path, kernels: Sequence[str] = ()):
+    def __init__(self, path: Path, kernels: Sequence[str] = (), data: Sequence[Path] = ()):
         from executorch.runtime import Runtime
         load_kernels()
         if "llmpipe" in kernels:  # our attention ops' .out kernels live in native/'s library
@@ -37,6 +38,13 @@ class ExecutorchProgram:
             ops.load(["llama"])
         self.program = Runtime.get().load_program(Path(path))
         self.method_names = set(self.program.method_names)
+        if DATA_FILES in self.method_names:  # an adapter program: its base's weights are in a data file
+            data = data or [Path(path).parent / name for name in self.program.load_method(DATA_FILES).execute([])[0]
+                            .split(",")]
+            if len(data) != 1 or not Path(data[0]).is_file():
+                raise FileNotFoundError(f"{path} reads its weights from {[str(d) for d in data]}: the Python runtime "
+                                        "loads one data file with a program, and it must exist")
+            self.program = Runtime.get().load_program(Path(path), data_path=str(data[0]))
         self._methods: dict = {}
         if "forward" in self.method_names:
             self._method("forward")  # a program this runtime cannot run fails here, not at its first call
@@ -62,8 +70,8 @@ class ExecutorchProgram:
         pass  # a program's mutable buffers are rewritten from the step's position (a rerun from 0 restarts)
 
 
-def load(path, kernels: Sequence[str] = ()) -> ExecutorchProgram:
-    return ExecutorchProgram(path, kernels)
+def load(path, kernels: Sequence[str] = (), data: Sequence[Path] = ()) -> ExecutorchProgram:
+    return ExecutorchProgram(path, kernels, data)
 
 
 def describe() -> str:

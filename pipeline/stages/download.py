@@ -36,7 +36,7 @@ def run(ctx) -> dict:
     # multimodal checkpoints keep their text model; processor-backed ones get their tokenizer saved as such
     info.update(keep_text_model(out))
     info.update(ensure_tokenizer(out, trust_remote_code=m.trust_remote_code))
-    if m.adapter:  # a fine-tune: merged before any stage reads the weights
+    if m.adapter and not adapter.separate(ctx.cfg):  # a fine-tune: merged before any stage reads the weights
         with spinner(f"merge the adapter {m.adapter}", ctx.progress):
             info.update(adapter.merge(out, m.adapter), adapter_files=adapter_hashes(m.adapter))
     ctx.info.update(info)
@@ -44,10 +44,14 @@ def run(ctx) -> dict:
 
 
 def config_view(cfg) -> dict:
-    """The model's config, and an adapter's files by hash (an edited adapter rebuilds)."""
+    """The model's config, and a merged adapter's files by hash (an edited adapter rebuilds). An adapter kept apart
+    is not in it: every adapter of a base shares its entries up to export (pipeline/stages/export.py)."""
     from pipeline.store.key import config_slice
     view = config_slice(cfg, CONFIG_KEYS)
-    if cfg.model.adapter:
+    del view["model"]["adapter_mode"]  # a base and its adapters kept apart: one entry
+    if adapter.separate(cfg):
+        view["model"]["adapter"] = None
+    elif cfg.model.adapter:
         view["adapter_files"] = adapter_hashes(cfg.model.adapter)
     return view
 

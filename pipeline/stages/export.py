@@ -14,5 +14,16 @@ AFTER = ("quantize",)
 CONFIG_KEYS = ("export", "backend.name")  # weight-only linears take a backend-specific form
 
 
+def config_view(cfg) -> dict:
+    """Its keys, and an adapter kept apart by its files' hashes (it joins the program here)."""
+    from pipeline.model import adapter
+    from pipeline.stages.download import adapter_hashes
+    from pipeline.store.key import config_slice
+    view = config_slice(cfg, CONFIG_KEYS)
+    if adapter.separate(cfg):
+        view["adapter_files"] = adapter_hashes(cfg.model.adapter)
+    return view
+
+
 def run(ctx) -> dict:
     return EXPORTERS[ctx.cfg.export.exporter].export(ctx)

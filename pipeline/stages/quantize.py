@@ -5,7 +5,8 @@
 
 With quantize.smoothing, activation outliers are moved into the weights first (pipeline/model/quant/smoothing.py); with
 quantize.algorithm=gptq the int linears are rounded by GPTQ (pipeline/model/quant/gptq.py). Both read what the calibrate
-stage measured. Writes module.pt (the quantized eager module) and quantize.json (what was quantized, how).
+stage measured. Writes module.pt (the quantized eager module), quantize.json (what was quantized, how) and with smoothing
+smoothing.pt (each linear's scales).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model.quant.apply import quantize_module
+from pipeline.model.quant.smoothing import SCALES_FILE
 from pipeline.model.quant.source_grid import SourceGrid
 from pipeline.report.progress import spinner
 from pipeline.stages.download import SOURCE_GGUF
@@ -35,7 +37,11 @@ def run(ctx) -> dict:
     smoothing = None
     if q.smoothing is not None:
         from pipeline.model.quant.smoothing import smooth
-        smoothing = {"alpha": q.smoothing, "linears": smooth(module.model, calibration["maxima"], q.smoothing)}
+        inputs, rows = {}, {}
+        smoothing = {"alpha": q.smoothing,
+                     "linears": smooth(module.model, calibration["maxima"], q.smoothing, inputs, rows)}
+        # what each linear's input (and output rows) are now divided by: an adapter kept apart follows them
+        torch.save({"input": inputs, "rows": rows}, ctx.out / SCALES_FILE)
     plan = None
     if q.target_bpw is not None:
         from pipeline.model.quant import allocate

@@ -21,12 +21,14 @@ from pipeline import native, ops
 from pipeline.abi import EOS_IDS, KV_DTYPES
 from pipeline.backends import BACKENDS
 from pipeline.config import v
+from pipeline.model import adapter
 from pipeline.model.cache_modes import CACHE_MODES
 from pipeline.model.cache_modes import flags as cache_flags
 from pipeline.model.quant.float_noise import float_noise
 from pipeline.model.quant.resolve import dynamic_activations
 from pipeline.model.layers.row_embedding import rows_only
 from pipeline.report.progress import bar, spinner
+from pipeline.model.quant.smoothing import SCALES_FILE
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
 from pipeline.runtimes.base import run_rows, run_sequence
 
@@ -386,6 +388,10 @@ def run(ctx) -> dict:
             eager_f = torch.load(ctx.inputs["wrap"] / "module.pt", weights_only=False)
             eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
+            if adapter.separate(ctx.cfg):  # the fine-tune, as the program runs it: the branches beside the base
+                adapter.attach(eager_f, ctx.cfg)
+                if eager_q is not eager_f:
+                    adapter.attach(eager_q, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
             storage = cache_policy(ctx).kv_dtype
             if storage is not None and CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
                 for module in {eager_f, eager_q}:  # (one module when unquantized) round as the program's cache does

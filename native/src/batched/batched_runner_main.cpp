@@ -51,6 +51,8 @@ void print_help() {
       "       llm_batched_runner --pte FILE --ids [options] 1,2,3 4,5,6\n"
       "\n"
       "  --pte PATH                  off-graph program to run (required)\n"
+      "  --data PATH                 a data file the program reads its weights from (an adapter\n"
+      "                              program's foundation.ptd); default: the files it names, beside it\n"
       "  --tokenizer PATH            HF tokenizer.json (required unless --ids)\n"
       "  --ids                       the prompts are comma-separated token ids, used as they are\n"
       "                              (no template, no BOS) (default: off)\n"
@@ -426,7 +428,7 @@ int run(const Options& given) {
   su.threads = cli::set_threads(o.threads);
   auto t0 = Clock::now();
   cli::verify_program(o);
-  LlmProgram prog(o.pte);
+  LlmProgram prog(o.pte, o.data);
   su.load_ms = ms_since(t0);
   const ProgramInfo& info = prog.info();
   if (!info.offgraph)

@@ -73,6 +73,7 @@ std::string ArgReader::optional_value(const std::string& absent) const {
 bool CommonOptions::parse(ArgReader& args) {
   const std::string& a = args.name();
   if (a == "--pte") pte = args.value();
+  else if (a == "--data") data.push_back(args.value());
   else if (a == "--tokenizer") tokenizer = args.value();
   else if (a == "--chat") chat = args.value();
   else if (a == "--stats-json") stats_json = args.value();

@@ -67,6 +67,7 @@ constexpr int64_t kKvInitialDefault = -1;
 // from it and reads its own flags after parse() declined them.
 struct CommonOptions {
   std::string pte, tokenizer, stats_json;
+  std::vector<std::string> data;  // --data (repeatable): the program's data files, if not beside the .pte
   std::string chat;  // empty = the program's get_chat_template, else raw text ("0")
   int64_t max_new_tokens = 50;
   double temperature = 0.0;

@@ -79,7 +79,7 @@ int run_encode(const Options& o) {
   std::string program_template;
   if (!o.pte.empty()) {
     cli::verify_program(o);
-    program_template = LlmProgram(o.pte).info().chat_template;
+    program_template = LlmProgram(o.pte, o.data).info().chat_template;
   }
   ChatTemplate tpl = chat_template(cli::resolve_chat(o.chat, program_template));
   std::vector<int64_t> ids = encode_turn(*tok, tpl, o.prompt, true);
@@ -193,7 +193,7 @@ int run(const Options& given) {
   LoadInfo li;
   cli::verify_program(o);  // before the load: a damaged file never reaches ExecuTorch
   auto t0 = Clock::now();
-  LlmProgram prog(o.pte);
+  LlmProgram prog(o.pte, o.data);
   li.load_ms = ms_since(t0);
   const ProgramInfo& info = prog.info();
   std::unique_ptr<Tokenizer> tok;

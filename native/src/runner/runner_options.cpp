@@ -22,6 +22,8 @@ void print_help() {
       "       llm_runner --pte FILE --tokenizer tokenizer.json --chat NAME --interactive\n"
       "\n"
       "  --pte PATH            program to run (required unless --encode)\n"
+      "  --data PATH           a data file the program reads its weights from (an adapter program's\n"
+      "                        foundation.ptd); default: the files it names, beside the .pte\n"
       "  --tokenizer PATH      HF tokenizer.json (required unless --prompt-ids)\n"
       "  --prompt TEXT         user prompt (the chat template is applied)\n"
       "  --prompt-ids LIST     comma-separated token ids, used as they are (no template, no BOS)\n"

@@ -265,18 +265,75 @@ void LlmProgram::check_buffer_sizes(const executorch::runtime::MethodMeta& meta)
                        std::to_string(width) + ")");
 }
 
-LlmProgram::LlmProgram(const std::string& path) {
+namespace {
+
+void check_regular_file(const std::string& path, const char* what) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0)
-    throw ProgramError("cannot open .pte file '" + path + "': " + std::strerror(errno));
+    throw ProgramError(std::string("cannot open ") + what + " '" + path + "': " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw ProgramError("'" + path + "' is not a regular file");
-  module_ = std::make_unique<Module>(path, Module::LoadMode::Mmap);
+}
+
+// The data files a program names in get_data_files (comma-separated file names), each where --data gave it or
+// else beside the .pte.
+std::vector<std::string> resolve_data_files(const std::string& pte, const std::string& listed,
+                                            const std::vector<std::string>& given) {
+  std::vector<std::string> out;
+  const auto slash = pte.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "" : pte.substr(0, slash + 1);
+  size_t start = 0;
+  while (start <= listed.size()) {
+    size_t end = listed.find(',', start);
+    if (end == std::string::npos) end = listed.size();
+    const std::string name = listed.substr(start, end - start);
+    start = end + 1;
+    if (name.empty()) continue;
+    std::string found;
+    for (const auto& g : given) {
+      const auto s = g.find_last_of('/');
+      if ((s == std::string::npos ? g : g.substr(s + 1)) == name) found = g;
+    }
+    if (found.empty() && given.size() == 1 && listed.find(',') == std::string::npos) found = given[0];  // renamed
+    if (found.empty()) {
+      found = dir + name;
+      struct stat st;
+      if (::stat(found.c_str(), &st) != 0)
+        throw ProgramError("the program reads its weights from " + name + " (an adapter program over a shared "
+                           "foundation), which is not beside it: --data PATH/" + name);
+    }
+    check_regular_file(found, "data file");
+    out.push_back(found);
+  }
+  return out;
+}
+
+}  // namespace
+
+void LlmProgram::open_module(const std::string& path, const std::vector<std::string>& data) {
+  module_ = data.empty() ? std::make_unique<Module>(path, Module::LoadMode::Mmap)
+                         : std::make_unique<Module>(path, data, Module::LoadMode::Mmap);
   // InternalConsistency: the flatbuffer verifier checks every offset and length before the loader
   // follows them (Minimal, the default, only checks the header: a damaged file could crash the load).
   Error e = module_->load(executorch::runtime::Program::Verification::InternalConsistency);
   if (e != Error::Ok)
     throw ProgramError("cannot load .pte file '" + path + "': " + err_text(e) +
                        " (damaged or not an ExecuTorch program?)");
+}
+
+LlmProgram::LlmProgram(const std::string& path, const std::vector<std::string>& data) {
+  check_regular_file(path, ".pte file");
+  for (const auto& d : data) check_regular_file(d, "data file");
+  open_module(path, {});
+  auto listed = module_->method_names();
+  if (listed.ok() && listed->count("get_data_files")) {
+    auto r = module_->execute("get_data_files");
+    if (!r.ok() || r->size() != 1 || !(*r)[0].isString())
+      throw ProgramError("constant method 'get_data_files' must return one string (file names)");
+    data_files_ = resolve_data_files(path, std::string((*r)[0].toString()), data);
+    open_module(path, data_files_);
+  } else if (!data.empty()) {
+    throw ProgramError("--data: the program '" + path + "' reads no data files (it holds its own weights)");
+  }
   // before any method loads: what the verifier does not cover and the loader would follow blindly
   check_program_plans(path);
   auto names = module_->method_names();
@@ -375,7 +432,7 @@ LlmProgram::LlmProgram(const std::string& path) {
   check_buffer_sizes(*meta);
   info_.offgraph = names->count("get_n_caches") > 0;
   position_limit_ = info_.max_context_len;
-  e = module_->load_method("forward");
+  Error e = module_->load_method("forward");
   if (e != Error::Ok)
     throw ProgramError("cannot load method 'forward': " + err_text(e) + load_hint(e));
   tok_buf_.resize(info_.max_seq_len);

@@ -48,10 +48,12 @@ class LlmProgram {
  public:
   // Loads the program, reads the constant methods and loads `forward`.
   // Throws ProgramError with a message naming the problem.
-  explicit LlmProgram(const std::string& path);
+  // `data`: the program's data files (get_data_files names them; by default they are looked for beside the .pte).
+  explicit LlmProgram(const std::string& path, const std::vector<std::string>& data = {});
   ~LlmProgram();
 
   const ProgramInfo& info() const { return info_; }
+  const std::vector<std::string>& data_files() const { return data_files_; }
 
   // Off-graph cache geometry (get_n_caches, get_kv_heads, get_head_dims,
   // optional get_v_head_dims, get_windows). Throws ProgramError naming a
@@ -98,6 +100,8 @@ class LlmProgram {
   void execute(int64_t n, const std::vector<int64_t>& rows, std::vector<float>* dst);
   int64_t position_limit_ = 0;
   std::unique_ptr<executorch::extension::module::Module> module_;
+  std::vector<std::string> data_files_;  // the data files module_ reads (an adapter program's foundation.ptd)
+  void open_module(const std::string& path, const std::vector<std::string>& data);
   ProgramInfo info_;
   std::vector<int64_t> tok_buf_, pos_buf_, rows_buf_;
   std::vector<float> logits_, rows_logits_;

@@ -27,6 +27,8 @@ from torch import nn
 from pipeline.model import archs
 from pipeline.model.geometry import layer_config
 
+SCALES_FILE = "smoothing.pt"  # the quantize stage's record of `smooth`'s scales, per linear
+
 
 @dataclass
 class Rows:
@@ -207,14 +209,15 @@ def _scale_rows(rows: Rows, s: torch.Tensor) -> None:
         lin.bias[rows.start:stop].div_(s.to(lin.bias.dtype))
 
 
-def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> torch.Tensor:
-    """Smooths one group; returns what its readers' input channels are divided by."""
+def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smooths one group; returns what its readers' input channels are divided by, and what the rows of `g.rows`
+    (if any) were divided by."""
     if g.heads is not None:  # o: channel h*d + c reads KV head h // (hq // hkv): one scale per KV channel
         hq, hkv, d = g.heads
         w = _column_max(g.readers).view(hkv, hq // hkv, d).amax(1)
-        s = _ratio(x.view(hkv, hq // hkv, d).amax(1), w, alpha)
-        _scale_rows(g.rows, s.reshape(-1))
-        cols = s[:, None, :].expand(hkv, hq // hkv, d).reshape(-1)
+        s = _ratio(x.view(hkv, hq // hkv, d).amax(1), w, alpha).reshape(-1)
+        _scale_rows(g.rows, s)
+        cols = s.view(hkv, 1, d).expand(hkv, hq // hkv, d).reshape(-1)
     else:
         cols = s = _ratio(x, _column_max(g.readers), alpha)
         if g.norm is not None:
@@ -223,22 +226,26 @@ def _apply(g: Group, x: torch.Tensor, alpha: float, offset: float) -> torch.Tens
             _scale_rows(g.rows, s)
     for w in g.readers:
         w.mul_(cols.to(w.dtype))
-    return cols
+    return cols, s
 
 
 @torch.no_grad()
 def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float,
-           input_scales: dict[str, torch.Tensor] | None = None) -> int:
+           input_scales: dict[str, torch.Tensor] | None = None, row_scales: dict | None = None) -> int:
     """Fold the smoothing scales into a float HF model (experts rewritten) in place; returns the number of linears
     (and routers) whose inputs were smoothed. `input_scales` (if given) gets, per linear name, what its input is now
-    divided by."""
+    divided by; `row_scales`, per linear whose output rows the division folded into, (start, stop, divisors): what a
+    LoRA branch kept beside a linear must follow (pipeline/model/adapter.py)."""
     offset = archs.of_model(model).norms.offset
     linear_of = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     smoothed = 0
     for g in groups(model):
         if g.key in maxima:
-            cols = _apply(g, maxima[g.key], alpha, offset)
+            cols, s = _apply(g, maxima[g.key], alpha, offset)
             smoothed += len(g.readers)
             if input_scales is not None:
                 input_scales.update({linear_of[id(w)]: cols for w in g.readers if id(w) in linear_of})
+            if row_scales is not None and g.rows is not None and id(g.rows.linear.weight) in linear_of:
+                stop = g.rows.stop or g.rows.linear.out_features
+                row_scales[linear_of[id(g.rows.linear.weight)]] = (g.rows.start, stop, s)
     return smoothed
