@@ -81,10 +81,10 @@ def separate_problem(path: str) -> Optional[str]:
                 f"differ per adapter: it {merge_only}")
     if config.get("fan_in_fan_out") or config.get("lora_bias"):
         return f"fan_in_fan_out / lora_bias: it {merge_only}"
-    other = sorted({k.rsplit(".", 2)[-2] for k in weight_names(path)} - {"lora_A", "lora_B"})
+    other = [k for k in weight_names(path) if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if other:
-        return f"weights {other} (an embedding's or another kind of adapter) beside the linears' lora_A / lora_B: it " \
-               f"{merge_only}"
+        return (f"holds {other[:3]}{' ...' if len(other) > 3 else ''}, not a linear's lora_A / lora_B (an embedding's "
+                f"adapter, or another kind): it {merge_only}")
     return None
 
 
