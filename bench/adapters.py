@@ -8,7 +8,7 @@ The adapters are random (seeded), their updates a few percent of the weights' sc
 - bytes on disk of the two programs each way (the two adapter programs share one foundation.ptd: counted once);
 - resident memory of one process that loads both programs and runs a forward on each (native/build/adapter_memory),
   with XNNPACK's weight cache off and on (on: packed weights are kept once per data key, so programs over one
-  foundation share theirs);
+  foundation share theirs): RSS, and PSS (a file page both programs' loaders map counts once);
 and the ratios kept-apart / merged. Writes outputs/bench/adapters.json.
 """
 from __future__ import annotations
@@ -93,11 +93,14 @@ def main() -> None:
           f"{apart['disk_bytes'] / merged['disk_bytes']:8.2f}")
     for cache in ("weight_cache_off", "weight_cache_on"):
         m, s = merged["memory"][cache], apart["memory"][cache]
-        for label, k in (("first program", 1), ("both programs", 2)):
-            print(f"{f'RSS, {label}, {cache} (MiB)':34}{m[k]['rss_mib']:12.1f}{s[k]['rss_mib']:12.1f}"
-                  f"{s[k]['rss_mib'] / m[k]['rss_mib']:8.2f}")
-        second_m, second_s = m[2]["rss_mib"] - m[1]["rss_mib"], s[2]["rss_mib"] - s[1]["rss_mib"]
-        print(f"{f'  the second program adds ({cache})':34}{second_m:12.1f}{second_s:12.1f}")
+        print(f"XNNPACK weight cache {cache.split('_')[-1]}:")
+        for measure in ("rss_mib", "pss_mib"):
+            name = measure.split("_")[0].upper()
+            for label, k in (("first program", 1), ("both programs", 2)):
+                print(f"{f'  {name}, {label} (MiB)':34}{m[k][measure]:12.1f}{s[k][measure]:12.1f}"
+                      f"{s[k][measure] / m[k][measure]:8.2f}")
+            print(f"{f'  {name}, the second adds (MiB)':34}{m[2][measure] - m[1][measure]:12.1f}"
+                  f"{s[2][measure] - s[1][measure]:12.1f}")
     write_results("adapters", results)
 
 

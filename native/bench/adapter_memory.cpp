@@ -1,6 +1,6 @@
 // adapter_memory: what each further program costs a process that holds several, e.g. an app with one program per
 // fine-tune. Loads each .pte (with the data files it names, as the runners find them), runs one forward on it, and
-// prints the process's resident memory after each as a JSON line. --weight-cache turns on XNNPACK's weight cache
+// prints the process's resident memory (RSS and PSS) after each as a JSON line. --weight-cache turns on XNNPACK's weight cache
 // first: packed weights are then kept once per data key, so programs over one foundation.ptd share theirs.
 //
 //   native/build/adapter_memory [--weight-cache] A.pte B.pte ...      (bench/adapters.py runs it)
@@ -19,16 +19,33 @@
 
 namespace {
 
-// VmRSS and RssFile of /proc/self/status, in MiB.
-void rss_mib(double* total, double* file) {
-  std::ifstream status("/proc/self/status");
+struct Memory {
+  double rss = 0, rss_file = 0, pss = 0;  // MiB
+};
+
+// VmRSS and RssFile of /proc/self/status, and Pss of /proc/self/smaps_rollup: a file page mapped by two programs'
+// loaders counts twice in RSS, once in PSS (the memory the process really holds).
+Memory memory() {
+  Memory m;
   std::string key;
-  *total = *file = 0;
+  double kb = 0;
+  std::ifstream status("/proc/self/status");
   while (status >> key) {
-    double kb = 0;
-    if (key == "VmRSS:" && status >> kb) *total = kb / 1024;
-    if (key == "RssFile:" && status >> kb) *file = kb / 1024;
+    if (key == "VmRSS:" && status >> kb) m.rss = kb / 1024;
+    if (key == "RssFile:" && status >> kb) m.rss_file = kb / 1024;
   }
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  while (rollup >> key)
+    if (key == "Pss:" && rollup >> kb) m.pss = kb / 1024;
+  return m;
+}
+
+void print(const char* program, size_t data_files) {
+  const Memory m = memory();
+  std::printf("{\"program\": %s%s%s, \"data_files\": %zu, \"rss_mib\": %.1f, \"rss_file_mib\": %.1f, "
+              "\"pss_mib\": %.1f}\n", program ? "\"" : "", program ? program : "null", program ? "\"" : "",
+              data_files, m.rss, m.rss_file, m.pss);
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -53,19 +70,14 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  double total = 0, file = 0;
-  rss_mib(&total, &file);
-  std::printf("{\"program\": null, \"rss_mib\": %.1f, \"rss_file_mib\": %.1f}\n", total, file);
+  print(nullptr, 0);
   std::vector<std::unique_ptr<llmrt::LlmProgram>> held;
   try {
     for (const auto& pte : ptes) {
       held.push_back(std::make_unique<llmrt::LlmProgram>(pte));
       const int64_t tokens[2] = {1, 2};
       held.back()->forward(tokens, 2, 0);
-      rss_mib(&total, &file);
-      std::printf("{\"program\": \"%s\", \"data_files\": %zu, \"rss_mib\": %.1f, \"rss_file_mib\": %.1f}\n",
-                  pte.c_str(), held.back()->data_files().size(), total, file);
-      std::fflush(stdout);
+      print(pte.c_str(), held.back()->data_files().size());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -246,7 +246,8 @@ def lower(ctx) -> dict:
     report["deploy"] = {"operators": called, "delegates": delegates, **req,
                         "runners": runners(cfg)}
     (ctx.out / "lower.json").write_text(json.dumps(report, indent=2, default=lambda t: t.tolist()))
-    return {"pte_bytes": pte.stat().st_size, **data, "deploy": report["deploy"], "delegated_nodes": report["delegated_nodes"],
+    return {"pte_bytes": pte.stat().st_size, **data, "deploy": report["deploy"],
+            "delegated_nodes": report["delegated_nodes"],
             "non_delegated_nodes": report["non_delegated_nodes"],
             "delegated_subgraphs": report["delegated_subgraphs"], "delegate_calls": report["delegate_calls"],
             "portable_ops": report["portable_ops"], "delegation_by_op": report["by_op"]}
@@ -272,8 +273,8 @@ def share_identical(path, sha: str, entries):
     from pipeline.store.files import read_manifest
     for entry in sorted(entries.iterdir()):
         other = entry / path.name
-        m = read_manifest(entry) if not entry.name.startswith(".") else None
-        if not (m and m.get("status") == "ok" and (m.get("metrics") or {}).get("data_sha256", {}).get(path.name) == sha):
+        m = (read_manifest(entry) if not entry.name.startswith(".") else None) or {}
+        if m.get("status") != "ok" or (m.get("metrics") or {}).get("data_sha256", {}).get(path.name) != sha:
             continue
         if other.is_file() and other.stat().st_size == path.stat().st_size and sha256_file(other) == sha:
             tmp = path.with_suffix(".link")

@@ -88,8 +88,12 @@ def separate_problem(path: str) -> Optional[str]:
     return None
 
 
+def weights_file(path: str) -> Path:
+    return next(folder(path) / w for w in WEIGHTS if (folder(path) / w).is_file())
+
+
 def weight_names(path: str) -> list[str]:
-    f = next(folder(path) / w for w in WEIGHTS if (folder(path) / w).is_file())
+    f = weights_file(path)
     if f.suffix == ".safetensors":
         from safetensors import safe_open
         with safe_open(str(f), "pt") as st:
@@ -105,20 +109,20 @@ def branches(path: str) -> dict:
     import torch
     from peft.utils.other import get_pattern_key
     config = json.loads((folder(path) / CONFIG).read_text())
-    f = next(folder(path) / w for w in WEIGHTS if (folder(path) / w).is_file())
+    f = weights_file(path)
     if f.suffix == ".safetensors":
         from safetensors.torch import load_file
         weights = load_file(str(f))
     else:
         weights = torch.load(f, map_location="cpu", weights_only=True)
     out = {}
+    alphas = config.get("alpha_pattern") or {}
     for key, a in weights.items():
         if not key.endswith(".lora_A.weight"):
             continue
         name = key[:-len(".lora_A.weight")].removeprefix("base_model.model.")
         b = weights[key.replace(".lora_A.", ".lora_B.")]
         r = a.shape[0]  # rank_pattern's, where it names this module
-        alphas = config.get("alpha_pattern") or {}
         alpha = alphas.get(get_pattern_key(alphas.keys(), name), config["lora_alpha"])
         scaling = alpha / (r ** 0.5 if config.get("use_rslora") else r)
         out[name] = (a.float(), b.float() * scaling)

@@ -55,8 +55,16 @@ def print_summary(m: dict) -> None:
     lower = next((s for s in m["stages"] if s["name"] == "lower" and s.get("metrics")), None)
     params = (quant or {}).get("metrics", {}).get("parameters")
     if lower and params and lower["metrics"].get("pte_bytes"):
-        print(f"  program {_size(lower['metrics']['pte_bytes'])}: {lower['metrics']['pte_bytes'] * 8 / params:.2f} "
-              f"bits/weight over {params / 1e6:.1f}M parameters{_tied(m)}")
+        files = [Path(lower["path"]) / name for name in lower["metrics"].get("data", ())]
+        data = sum(f.stat().st_size for f in files if f.exists())
+        total = lower["metrics"]["pte_bytes"] + data
+        print(f"  program {_size(total)}: {total * 8 / params:.2f} bits/weight over {params / 1e6:.1f}M parameters"
+              f"{_tied(m)}")
+        if data:  # an adapter kept apart: the base's weights in the data file(s), which other adapters share
+            shared = lower["metrics"].get("data_shared_with") or {}
+            print(f"  of which {', '.join(lower['metrics']['data'])} {_size(data)} (the base's weights"
+                  + (", one file with another adapter's build)" if shared else ")")
+                  + f", model.pte {_size(lower['metrics']['pte_bytes'])} (the adapter and the program)")
     if lower:
         mt = lower["metrics"]
         print(f"  delegated nodes {mt.get('delegated_nodes')}, outside the delegate {mt.get('non_delegated_nodes')}"

@@ -146,7 +146,8 @@ def test_two_adapters_share_their_base_s_entries_and_one_foundation(tmp_path):
 
 
 def test_an_fp32_adapter_program_is_peft_s_forward(tmp_path):
-    """Unquantized (K/V in fp32 too), the program (Python runtime, its foundation loaded from lower.json) computes PEFT's forward."""
+    """Unquantized (K/V in fp32 too), the program (Python runtime, its foundation loaded from lower.json) computes
+    PEFT's forward."""
     from pipeline.runtimes import open_program
     from pipeline.runtimes.base import run_sequence
     folder = base_dir()

@@ -55,8 +55,9 @@ def attach(model: nn.Module, branches: dict[str, tuple[torch.Tensor, torch.Tenso
         if isinstance(base, LoraLinear):
             raise ValueError(f"model.adapter: {name!r} already carries an adapter")
         if not isinstance(base, nn.Linear) or (base.in_features, base.out_features) != (a.shape[1], b.shape[0]):
-            raise ValueError(f"model.adapter: {name!r} is {type(base).__name__} {tuple(getattr(base, 'weight', a).shape)}"
-                             f", not a linear the adapter's [{b.shape[0]}, {a.shape[1]}] update fits")
+            shape = tuple(getattr(base, "weight", a).shape)
+            raise ValueError(f"model.adapter: {name!r} is {type(base).__name__} {shape}, not a linear the adapter's "
+                             f"[{b.shape[0]}, {a.shape[1]}] update fits")
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, LoraLinear(base, a.to(dtype), b.to(dtype)))
     return len(branches)
