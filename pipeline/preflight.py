@@ -84,10 +84,6 @@ def adapter_problems(cfg, g: Geometry) -> Problems:
     return []
 
 
-# backends whose programs keep their constants in a data file here (MLX's delegate payload holds its own)
-SEPARATE_BACKENDS = ("xnnpack", "portable")
-
-
 def separate_adapter_problems(cfg, g: Geometry) -> Problems:
     """model.adapter_mode=separate: the adapter's branches each beside a plain linear of the base, whose weights the
     pipeline leaves as it quantized them."""
@@ -103,12 +99,9 @@ def separate_adapter_problems(cfg, g: Geometry) -> Problems:
     if strangers:
         out.append(("model.adapter", path, f"adapts {strangers[:4]}{' ...' if len(strangers) > 4 else ''}, not "
                     "plain linears of this model (an expert's weights are not): model.adapter_mode=merge"))
-    if v(cfg.backend.name) not in SEPARATE_BACKENDS:
-        out.append((key, "separate", f"backend={v(cfg.backend.name)} keeps its weights in its delegate's payload: "
-                    f"allowed on {list(SEPARATE_BACKENDS)}, or model.adapter_mode=merge"))
-    if v(cfg.export.exporter) != "native":
-        out.append((key, "separate", f"export.exporter={v(cfg.export.exporter)}: the adapter program is our "
-                    "exporter's (export.exporter=native)"))
+    why = BACKENDS[cfg.backend.name].ADAPTER_APART_WHY
+    if why:
+        out.append((key, "separate", f"backend={v(cfg.backend.name)}: {why}"))
     return out
 
 

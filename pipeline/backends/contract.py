@@ -16,6 +16,7 @@ class Backend(Protocol):
     LOWERS_PROGRAM_IN_MEMORY: bool  # lower may take the program export holds in memory (exporters/handoff.py)
     LOWERS_NON_STRICT: bool         # it lowers a non-strict exported program (export.strict: null, fp32)
     TAIL_LOGITS: bool               # it lowers logits mode `tail` (export.logits_mode=auto picks `selected` elsewhere)
+    ADAPTER_APART_WHY: str          # why it cannot keep an adapter apart (model.adapter_mode=separate); "": it can
     SCALE_BITS: tuple               # bits of scale (and bias) its file keeps per group, and per row
     PLAN_CANDIDATES: tuple          # (scheme, group) quantize.target_bpw may give a linear, cheapest first
     KV_STORAGES: tuple              # verify.runtime.kv_storage_dtype values its off-graph programs' runtimes store

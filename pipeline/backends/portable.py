@@ -14,6 +14,7 @@ NATIVE_RUNNER = True
 LOWERS_PROGRAM_IN_MEMORY = False  # not held to the bytes of the file: it loads program.pt2
 LOWERS_NON_STRICT = False  # not measured
 TAIL_LOGITS = True
+ADAPTER_APART_WHY = ""  # its constants go to foundation.ptd as any program's may
 SCALE_BITS = (16, 32)  # as XNNPACK's: the same torchao layouts
 PLAN_CANDIDATES = (("8da4w", 0), ("8da4w", 32), ("8da8w", 0))
 HANDOVER_CACHE = None

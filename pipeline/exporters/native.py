@@ -17,7 +17,7 @@ from pipeline.config import v
 from pipeline.exporters import handoff
 from pipeline.model import adapter
 from pipeline.model.cache_modes import CACHE_MODES, flags
-from pipeline.model.layers.lora import FOUNDATION_TAG
+from pipeline.model.layers.lora import FOUNDATION_TAG, attach_adapter
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 from pipeline.model.quant.smoothing import SCALES_FILE
@@ -83,7 +83,7 @@ def export(ctx) -> dict:
     info = {}
     separate = adapter.separate(ctx.cfg)
     if separate:  # the fine-tune's branches beside the quantized base (pipeline/model/layers/lora.py)
-        info["adapter_branches"] = adapter.attach(module, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
+        info["adapter_branches"] = attach_adapter(module, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.layers.faults import inject
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}

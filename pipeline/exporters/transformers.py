@@ -43,6 +43,7 @@ from pipeline import ops
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.exporters.native import runner_constants
+from pipeline.model import adapter
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
 
@@ -256,6 +257,9 @@ def problems(cfg) -> list[tuple[str, object, str]]:
     if BACKENDS[backend].HANDOVER_CACHE is None:
         out.append(("backend.name", backend, f"{route} allowed: {handover_backends()} "
                                              f"({BACKENDS[backend].HANDOVER_CACHE_WHY})"))
+    if adapter.separate(cfg):
+        out.append(("model.adapter_mode", "separate", f"{route}: an adapter kept apart is the native route's program "
+                    "(export.exporter=native), or merge it (model.adapter_mode=merge)"))
     if v(c.mode) != "static":
         out.append(("cache.mode", v(c.mode), f"{route} allowed: ['static'] (the exporter brings its own cache, passed "
                                              "in and out of the programs: xnnpack a StaticCache, mlx a DynamicCache; "

@@ -129,28 +129,6 @@ def branches(path: str) -> dict:
     return out
 
 
-def attach(module, cfg, smoothing: Optional[Path] = None) -> int:
-    """The adapter's branches beside the linears of a wrapped module (kept apart); returns how many. `smoothing`: the
-    quantize stage's scales (smoothing.pt) when the module is the smoothed one: a base linear whose input is divided
-    by s reads it through A * s, one whose output rows are divided by s gets B's rows divided too, so each branch
-    adds what it adds to the unsmoothed model."""
-    import torch
-
-    from pipeline.model.layers import lora
-    found = branches(cfg.model.adapter)
-    if smoothing is not None and smoothing.exists():
-        scales = torch.load(smoothing, weights_only=True)
-        for name, (a, b) in found.items():
-            if name in scales["input"]:
-                a = a * scales["input"][name].float()[None, :]
-            if name in scales["rows"]:
-                start, stop, d = scales["rows"][name]
-                b = b.clone()
-                b[start:stop] /= d.float()[:, None]
-            found[name] = (a, b)
-    return lora.attach(module.model, found)
-
-
 def merge(model_dir: Path, path: str) -> dict:
     """Merge the adapter into the checkpoint at model_dir (in place: its weights rewritten, the rest kept); what was
     merged, for the manifest."""

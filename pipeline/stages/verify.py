@@ -22,6 +22,7 @@ from pipeline.abi import EOS_IDS, KV_DTYPES
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model import adapter
+from pipeline.model.layers.lora import attach_adapter
 from pipeline.model.cache_modes import CACHE_MODES
 from pipeline.model.cache_modes import flags as cache_flags
 from pipeline.model.quant.float_noise import float_noise
@@ -389,9 +390,9 @@ def run(ctx) -> dict:
             eager_q = eager_f if quantized["linear"] == quantized["embedding"] == "none" else \
                 torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
             if adapter.separate(ctx.cfg):  # the fine-tune, as the program runs it: the branches beside the base
-                adapter.attach(eager_f, ctx.cfg)
+                attach_adapter(eager_f, ctx.cfg)
                 if eager_q is not eager_f:
-                    adapter.attach(eager_q, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
+                    attach_adapter(eager_q, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
             storage = cache_policy(ctx).kv_dtype
             if storage is not None and CACHE_MODES[ctx.cfg.cache.mode].RUNTIME_OWNED:
                 for module in {eager_f, eager_q}:  # (one module when unquantized) round as the program's cache does

@@ -68,18 +68,18 @@ def test_the_branches_follow_smoothing(tmp_path):
     cfg = SimpleNamespace(model=SimpleNamespace(adapter=str(path)))
     with torch.no_grad():
         want = base_model(folder)
-        adapter.attach(SimpleNamespace(model=want), cfg)
+        lora.attach_adapter(SimpleNamespace(model=want), cfg)
         smoothed = base_model(folder)
         inputs, rows = {}, {}
         smooth(smoothed, activation_maxima(smoothed, [ids()[0].tolist()]), 0.6, inputs, rows)
         assert {n.rsplit(".", 1)[-1] for n in rows} == {"v_proj", "up_proj"}
         torch.save({"input": inputs, "rows": rows}, tmp_path / "smoothing.pt")
-        adapter.attach(SimpleNamespace(model=smoothed), cfg, tmp_path / "smoothing.pt")
+        lora.attach_adapter(SimpleNamespace(model=smoothed), cfg, tmp_path / "smoothing.pt")
         plain = want(ids()).logits
         assert (smoothed(ids()).logits - plain).abs().max() <= 1e-5 * plain.abs().max()
         unfollowed = base_model(folder)  # the same branches without the scales: they would not add the same
         smooth(unfollowed, activation_maxima(unfollowed, [ids()[0].tolist()]), 0.6)
-        adapter.attach(SimpleNamespace(model=unfollowed), cfg)
+        lora.attach_adapter(SimpleNamespace(model=unfollowed), cfg)
         assert (unfollowed(ids()).logits - plain).abs().max() > 1e-3 * plain.abs().max()
 
 
@@ -99,8 +99,8 @@ def test_what_cannot_be_kept_apart_is_refused_at_preflight(tmp_path):
             preflight.check(compose_cfg(*TINY, f"model.adapter={path}", "model.adapter_mode=separate"))
         assert key in str(err.value)
         assert preflight.check(compose_cfg(*TINY, f"model.adapter={path}")) is not None  # it merges
-    for override, why in [("backend=mlx", "backend=mlx keeps its weights in its delegate's payload"),
-                          ("export.exporter=transformers", "export.exporter=transformers")]:
+    for override, why in [("backend=mlx", "backend=mlx: its delegate's payload holds the program's weights"),
+                          ("export.exporter=transformers", "export.exporter=transformers: an adapter kept apart")]:
         with pytest.raises(ConfigError, match=why) as err:
             preflight.check(compose_cfg(*TINY, f"model.adapter={good}", "model.adapter_mode=separate", override))
         assert "model.adapter_mode" in str(err.value)

@@ -25,6 +25,8 @@ NATIVE_RUNNER = False     # the C++ runners link XNNPACK and the portable kernel
 # cannot type (loaded from program.pt2 they are plain tensors): it loads the file
 LOWERS_PROGRAM_IN_MEMORY = False
 LOWERS_NON_STRICT = False  # the same: a non-strict program's values are the tensor subclasses (found by CI)
+ADAPTER_APART_WHY = ("its delegate's payload holds the program's weights (no foundation.ptd here): merge the adapter "
+                     "(model.adapter_mode=merge)")
 TAIL_LOGITS = False  # its lowering cannot take the symbolic min(T, K) rows (sym_min of a delegate's output)
 SCALE_BITS = (32, 32)  # an fp16 scale and an fp16 bias per group
 PLAN_CANDIDATES = (("4w", 64), ("4w", 32), ("8w", 64), ("8w", 32))

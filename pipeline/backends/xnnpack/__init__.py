@@ -29,6 +29,8 @@ LOWERS_PROGRAM_IN_MEMORY = True
 # lowers a non-strict exported program (export.strict: null): the same program bits, about half the export time
 LOWERS_NON_STRICT = True
 TAIL_LOGITS = True
+# an adapter kept apart (model.adapter_mode=separate): its delegate reads the base's constants from foundation.ptd
+ADAPTER_APART_WHY = ""
 # its file keeps 4-bit group scales in bf16 and per-row scales in fp32 (bits per group, per row)
 SCALE_BITS = (16, 32)
 # what quantize.target_bpw may give a linear here, cheapest first (group 0: one scale per row)

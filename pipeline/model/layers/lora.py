@@ -10,9 +10,13 @@ of its base.
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
+
+from pipeline.model import adapter
 
 # a constant belongs to the adapter (stays in the program) when its placeholder names a branch's weight:
 # torch.export names a parameter p_<fqn, dots as underscores, lower case>: model.layers.0.q_proj.lora_A.weight ->
@@ -61,6 +65,25 @@ def attach(model: nn.Module, branches: dict[str, tuple[torch.Tensor, torch.Tenso
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, LoraLinear(base, a.to(dtype), b.to(dtype)))
     return len(branches)
+
+
+def attach_adapter(module, cfg, smoothing: Optional[Path] = None) -> int:
+    """The adapter's branches beside the linears of a wrapped module (kept apart); returns how many. `smoothing`: the
+    quantize stage's scales (smoothing.pt) when the module is the smoothed one: a base linear whose input is divided
+    by s reads it through A * s, one whose output rows are divided by s gets B's rows divided too, so each branch
+    adds what it adds to the unsmoothed model."""
+    found = adapter.branches(cfg.model.adapter)
+    if smoothing is not None and smoothing.exists():
+        scales = torch.load(smoothing, weights_only=True)
+        for name, (a, b) in found.items():
+            if name in scales["input"]:
+                a = a * scales["input"][name].float()[None, :]
+            if name in scales["rows"]:
+                start, stop, d = scales["rows"][name]
+                b = b.clone()
+                b[start:stop] /= d.float()[:, None]
+            found[name] = (a, b)
+    return attach(module.model, found)
 
 
 def in_foundation(node) -> str | None:
