@@ -18,9 +18,9 @@ from pipeline.exporters import handoff
 from pipeline.model import adapter
 from pipeline.model.cache_modes import CACHE_MODES, flags
 from pipeline.model.layers.lora import FOUNDATION_TAG, attach_adapter
+from pipeline.model.quant.smoothing import SCALES_FILE
 from pipeline.report.progress import spinner
 from pipeline.runtimes.executorch import load_kernels
-from pipeline.model.quant.smoothing import SCALES_FILE
 from pipeline.store.files import sha256_file, write_streaming
 
 # peak RSS of export and lower, as pipeline/preflight.py's STAGE_PEAK (memory estimates) reads it
@@ -81,12 +81,12 @@ def export(ctx) -> dict:
     from pipeline.exporters.lean_export import without_canonical_self_test
     module = torch.load(ctx.inputs["quantize"] / "module.pt", weights_only=False)
     info = {}
-    separate = adapter.separate(ctx.cfg)
-    if separate:  # the fine-tune's branches beside the quantized base (pipeline/model/layers/lora.py)
-        info["adapter_branches"] = attach_adapter(module, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
     if ctx.cfg.export.fault is not None:  # a broken program on purpose: what the verify gate must catch
         from pipeline.model.layers.faults import inject
         info = {"fault": v(ctx.cfg.export.fault), "fault_detail": inject(module, v(ctx.cfg.export.fault))}
+    separate = adapter.separate(ctx.cfg)
+    if separate:  # the fine-tune's branches beside the quantized base (pipeline/model/layers/lora.py)
+        info["adapter_branches"] = attach_adapter(module, ctx.cfg, ctx.inputs["quantize"] / SCALES_FILE)
     # fp32 only: there the program's bits are held the same, fused or not (a half program's text changed)
     fp32 = v(ctx.cfg.export.dtype) == "fp32"
     info["strict"] = strict = strict_export(ctx.cfg)

@@ -22,14 +22,14 @@ from pipeline.abi import EOS_IDS, KV_DTYPES
 from pipeline.backends import BACKENDS
 from pipeline.config import v
 from pipeline.model import adapter
-from pipeline.model.layers.lora import attach_adapter
 from pipeline.model.cache_modes import CACHE_MODES
 from pipeline.model.cache_modes import flags as cache_flags
+from pipeline.model.layers.lora import attach_adapter
+from pipeline.model.layers.row_embedding import rows_only
 from pipeline.model.quant.float_noise import float_noise
 from pipeline.model.quant.resolve import dynamic_activations
-from pipeline.model.layers.row_embedding import rows_only
-from pipeline.report.progress import bar, spinner
 from pipeline.model.quant.smoothing import SCALES_FILE
+from pipeline.report.progress import bar, spinner
 from pipeline.runtimes import RUNTIMES, CachePolicy, Unsupported, open_program, program_info
 from pipeline.runtimes.base import run_rows, run_sequence
 
