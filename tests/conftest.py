@@ -6,9 +6,20 @@ Tiers: `python3 -m pytest` runs the CI tier (everything not marked slow) and thi
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests import helpers, rotation
+
+# xdist's workers share the machine's cores: each worker's torch, and every build it starts, takes its share of them.
+# OpenMP pools that together ask for more threads than there are cores spin against each other (the default build's
+# GPTQ quantize stage: 17 s alone, 277 s beside another worker's two threads on two cores).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _THREADS = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OMP_NUM_THREADS", _THREADS)
+    import torch
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 _SESSION = {"slow": None, "passed": []}
 
