@@ -93,8 +93,7 @@ def separate_adapter_problems(cfg, g: Geometry) -> Problems:
         return [("model.adapter", path, why)]
     out = []
     linears = set(g.linear_shapes())
-    adapted = sorted({n.removesuffix(".lora_A.weight").removeprefix("base_model.model.")
-                      for n in adapter.weight_names(path) if n.endswith(".lora_A.weight")})
+    adapted = sorted({adapter.module_name(n) for n in adapter.weight_names(path) if n.endswith(".lora_A.weight")})
     strangers = [n for n in adapted if n not in linears]
     if strangers:
         out.append(("model.adapter", path, f"adapts {strangers[:4]}{' ...' if len(strangers) > 4 else ''}, not "

@@ -102,6 +102,11 @@ def weight_names(path: str) -> list[str]:
     return list(torch.load(f, map_location="cpu", weights_only=True))
 
 
+def module_name(key: str) -> str:
+    """The base model's module a PEFT weight name adapts: base_model.model.<module>.lora_A.weight -> <module>."""
+    return key.removesuffix(".lora_A.weight").removesuffix(".lora_B.weight").removeprefix("base_model.model.")
+
+
 def branches(path: str) -> dict:
     """Each adapted linear's (A [r, in], B [out, r] times its scaling), by module name in the base model, scaled as
     PEFT's LoRA layer scales: alpha / r, or alpha / sqrt(r) with rsLoRA; r is the module's own (rank_pattern's), alpha
@@ -120,7 +125,7 @@ def branches(path: str) -> dict:
     for key, a in weights.items():
         if not key.endswith(".lora_A.weight"):
             continue
-        name = key[:-len(".lora_A.weight")].removeprefix("base_model.model.")
+        name = module_name(key)
         b = weights[key.replace(".lora_A.", ".lora_B.")]
         r = a.shape[0]  # rank_pattern's, where it names this module
         alpha = alphas.get(get_pattern_key(alphas.keys(), name), config["lora_alpha"])
